@@ -1,0 +1,194 @@
+"""The global training DAG: nodes, data edges and temporal edges.
+
+Invariants kept by every method here:
+* node keys are unique; an edge's endpoints exist;
+* a data edge carries the names of the values that flow along it (activations forward,
+  their gradients backward); a temporal edge carries none and only orders;
+* ``regions`` (the captured model's chunks) and ``buckets`` are metadata shared by all
+  rewrites of one DAG and never change after capture / replicate.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+from piper_plugin.ir.nodes import Kind, Node
+
+__all__ = ["DAG", "Region", "Bucket", "CycleError"]
+
+
+class CycleError(ValueError):
+    """Raised when edges would make the DAG cyclic; ``cycle`` lists node keys."""
+
+    def __init__(self, cycle: list[str]):
+        self.cycle = cycle
+        shown = " -> ".join(cycle[:12]) + (" -> ..." if len(cycle) > 12 else "")
+        super().__init__(f"cycle: {shown}")
+
+
+@dataclass
+class Region:
+    """A chunk of the model: a maximal run of ops with one tag set (see capture).
+
+    ``value_bytes`` are sizes for the example batch the model was captured with;
+    ``activation_bytes`` estimates what one forward of the region keeps for backward.
+    """
+
+    name: str
+    stage: int
+    index: int
+    tags: dict[str, Any]
+    params: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    value_bytes: dict[str, int]
+    activation_bytes: int
+    param_bytes: int
+    flops: int = 0
+
+
+@dataclass
+class Bucket:
+    """Parameters of one region reduced / sharded together (replicate's bucket option)."""
+
+    region: str
+    index: int
+    params: tuple[str, ...]
+    numel: int
+    group: tuple[int, ...]
+    zero: int
+
+
+@dataclass
+class DAG:
+    nodes: dict[str, Node] = field(default_factory=dict)
+    data_succ: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    data_pred: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    temporal_succ: dict[str, set[str]] = field(default_factory=dict)
+    temporal_pred: dict[str, set[str]] = field(default_factory=dict)
+    regions: dict[str, Region] = field(default_factory=dict)
+    buckets: dict[str, list[Bucket]] = field(default_factory=dict)
+    batch_size: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- construction -------------------------------------------------------------------
+    def add(self, node: Node) -> Node:
+        key = node.key
+        if key in self.nodes:
+            raise ValueError(f"node {key} already exists")
+        self.nodes[key] = node
+        self.data_succ[key] = {}
+        self.data_pred[key] = {}
+        self.temporal_succ[key] = set()
+        self.temporal_pred[key] = set()
+        return node
+
+    def remove(self, key: str) -> None:
+        for succ in list(self.data_succ[key]):
+            del self.data_pred[succ][key]
+        for pred in list(self.data_pred[key]):
+            del self.data_succ[pred][key]
+        for succ in self.temporal_succ[key]:
+            self.temporal_pred[succ].discard(key)
+        for pred in self.temporal_pred[key]:
+            self.temporal_succ[pred].discard(key)
+        for table in (self.data_succ, self.data_pred, self.temporal_succ, self.temporal_pred, self.nodes):
+            del table[key]
+
+    def add_data(self, src: str, dst: str, values: Iterable[str] = ()) -> None:
+        merged = tuple(dict.fromkeys(self.data_succ[src].get(dst, ()) + tuple(values)))
+        self.data_succ[src][dst] = merged
+        self.data_pred[dst][src] = merged
+
+    def remove_data(self, src: str, dst: str) -> tuple[str, ...]:
+        values = self.data_succ[src].pop(dst)
+        del self.data_pred[dst][src]
+        return values
+
+    def add_temporal(self, src: str, dst: str) -> None:
+        if src == dst:
+            raise CycleError([src, dst])
+        self.temporal_succ[src].add(dst)
+        self.temporal_pred[dst].add(src)
+
+    # -- queries --------------------------------------------------------------------------
+    def __contains__(self, key: str) -> bool:
+        return key in self.nodes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes.values())
+
+    def preds(self, key: str) -> Iterator[str]:
+        yield from self.data_pred[key]
+        yield from self.temporal_pred[key]
+
+    def succs(self, key: str) -> Iterator[str]:
+        yield from self.data_succ[key]
+        yield from self.temporal_succ[key]
+
+    def num_edges(self) -> int:
+        return sum(map(len, self.data_succ.values())) + sum(map(len, self.temporal_succ.values()))
+
+    def topological_order(self, priority: dict[str, Any] | None = None) -> list[str]:
+        """Kahn's order; ties go to the smaller ``priority`` (default: insertion order).
+
+        Raises :class:`CycleError` naming one cycle if the DAG has one.
+        """
+        rank = priority or {key: i for i, key in enumerate(self.nodes)}
+        indegree = {key: len(self.data_pred[key]) + len(self.temporal_pred[key]) for key in self.nodes}
+        heap = [(rank[key], key) for key, deg in indegree.items() if deg == 0]
+        heapq.heapify(heap)
+        order: list[str] = []
+        while heap:
+            _, key = heapq.heappop(heap)
+            order.append(key)
+            for succ in self.succs(key):
+                indegree[succ] -= 1
+                if indegree[succ] == 0:
+                    heapq.heappush(heap, (rank[succ], succ))
+        if len(order) != len(self.nodes):
+            raise CycleError(self._find_cycle({k for k, d in indegree.items() if d > 0}))
+        return order
+
+    def _find_cycle(self, candidates: set[str]) -> list[str]:
+        """A cycle among ``candidates`` (nodes left with positive in-degree)."""
+        start = next(iter(candidates))
+        seen: dict[str, int] = {}
+        path: list[str] = []
+        key = start
+        while key not in seen:
+            seen[key] = len(path)
+            path.append(key)
+            key = next(p for p in self.preds(key) if p in candidates)
+        cycle = path[seen[key]:] + [key]
+        return list(reversed(cycle))
+
+    def copy(self) -> "DAG":
+        return DAG(
+            nodes=dict(self.nodes),
+            data_succ={k: dict(v) for k, v in self.data_succ.items()},
+            data_pred={k: dict(v) for k, v in self.data_pred.items()},
+            temporal_succ={k: set(v) for k, v in self.temporal_succ.items()},
+            temporal_pred={k: set(v) for k, v in self.temporal_pred.items()},
+            regions=self.regions, buckets=dict(self.buckets), batch_size=self.batch_size,
+            meta=dict(self.meta),
+        )
+
+    # -- serialisation ----------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """Nodes and edges (regions are metadata of the captured model, not serialised)."""
+        return {
+            "nodes": [node.to_json() for node in self.nodes.values()],
+            "data": [[s, d, list(v)] for s, succ in self.data_succ.items() for d, v in succ.items()],
+            "temporal": sorted([s, d] for s, succ in self.temporal_succ.items() for d in succ),
+        }
+
+    def canonical(self) -> dict[str, Any]:
+        """Order-independent form used to compare two DAGs for equality."""
+        data = self.to_json()
+        return {"nodes": sorted(data["nodes"], key=lambda n: n["key"]),
+                "data": sorted(data["data"]), "temporal": data["temporal"]}

@@ -1,0 +1,86 @@
+"""The DAG validator, run after every pass.
+
+Checks: the DAG is acyclic; every region input produced by another region reaches each F
+(and every output gradient reaches each B / BI); every SEND has its RECV (same microbatch,
+same values, linked both ways); every collective names a grid axis whose groups cover its
+devices; once the DAG is split, every parameter bucket of a region with more than one replica
+receives each microbatch's gradient through exactly one reduction per step.
+"""
+from __future__ import annotations
+
+from piper_plugin.ir.graph import DAG, CycleError
+from piper_plugin.ir.nodes import COLLECTIVES, Kind
+from piper_plugin.ir.rank_grid import RankGrid
+
+__all__ = ["validate", "ValidationError"]
+
+
+class ValidationError(ValueError):
+    """The DAG breaks an invariant; the message names the node and the rule."""
+
+
+def validate(dag: DAG, grid: RankGrid) -> None:
+    try:
+        dag.topological_order()
+    except CycleError as exc:
+        raise ValidationError(f"the DAG has a {exc}") from None
+    for key, node in dag.nodes.items():
+        if node.kind == Kind.F:
+            _check_inputs(dag, key, node.region)
+        elif node.kind in (Kind.SEND, Kind.RECV):
+            _check_peer(dag, key)
+        elif node.kind in COLLECTIVES:
+            if not node.devices or node.axis is None:
+                raise ValidationError(f"collective {key} has no devices or no grid axis")
+            groups = grid.groups(node.axis, node.devices)
+            if sum(map(len, groups)) != len(node.devices):
+                raise ValidationError(f"collective {key}: groups {groups} do not cover {node.devices}")
+    if "microbatches" in dag.meta:
+        _check_gradients(dag, grid)
+
+
+def _check_inputs(dag: DAG, key: str, region: str) -> None:
+    arriving = {v for values in dag.data_pred[key].values() for v in values}
+    produced_elsewhere = {v for r in dag.regions.values() if r.name != region for v in r.outputs}
+    missing = [v for v in dag.regions[region].inputs if v in produced_elsewhere and v not in arriving]
+    if missing:
+        raise ValidationError(f"{key} needs values {missing} but no data edge brings them")
+
+
+def _check_peer(dag: DAG, key: str) -> None:
+    node = dag.nodes[key]
+    peer = dag.nodes.get(node.peer or "")
+    if peer is None or peer.peer != key or peer.microbatch != node.microbatch:
+        raise ValidationError(f"{key} has no matching peer (peer={node.peer!r})")
+    if node.kind == Kind.SEND and peer.kind != Kind.RECV:
+        raise ValidationError(f"{key} must pair with a RECV, not {peer.key}")
+
+
+def _check_gradients(dag: DAG, grid: RankGrid) -> None:
+    sharded = dag.meta.get("sharded", {})
+    grad_nodes: dict[str, list[str]] = {}
+    for key, node in dag.nodes.items():
+        if node.kind in (Kind.B, Kind.BW) or (node.kind == Kind.BI and not dag.regions[node.region].params):
+            grad_nodes.setdefault(node.region, []).append(key)
+    for region, params in dag.meta.get("update_params", {}).items():
+        if not params:
+            continue
+        devices = dag.nodes[grad_nodes[region][0]].devices
+        axis = "dp" if region in sharded else "data"
+        replicas = len(grid.groups(axis, devices)[0])
+        buckets = dag.buckets.get(region)
+        if replicas == 1:
+            continue
+        if not buckets:
+            raise ValidationError(
+                f"gradients of region {region} are not reduced over its {replicas} replicas "
+                f"(ranks {devices}): add replicate('region={region}') or replicate('*')")
+        for bucket in buckets:
+            for key in grad_nodes[region]:
+                reductions = [s for s, values in dag.data_succ[key].items()
+                              if "grads" in values and dag.nodes[s].bucket == bucket.index
+                              and dag.nodes[s].kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER)]
+                if len(reductions) != 1:
+                    raise ValidationError(
+                        f"bucket {bucket.index} of region {region}: {key}'s gradient reaches "
+                        f"{len(reductions)} reductions ({reductions}); it must reach exactly one")

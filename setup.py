@@ -1,0 +1,29 @@
+"""Piper: programmable distributed training for TorchTitan and Megatron-Core.
+
+``adapters/`` and ``recipes/`` are top-level folders that install as
+``piper_plugin.adapters`` and ``piper_plugin.recipes``.
+"""
+from setuptools import find_packages, setup
+
+engine = find_packages(include=["piper_plugin", "piper_plugin.*"])
+adapters = ["piper_plugin.adapters" + p[len("adapters"):] for p in find_packages(include=["adapters", "adapters.*"])]
+recipes = ["piper_plugin.recipes" + p[len("recipes"):] for p in find_packages(include=["recipes", "recipes.*"])]
+
+setup(
+    name="piper-plugin",
+    version="0.1.0",
+    description="Programmable distributed-training engine: annotations, directives, one training DAG",
+    python_requires=">=3.10",
+    packages=engine + adapters + recipes,
+    package_dir={"piper_plugin.adapters": "adapters", "piper_plugin.recipes": "recipes"},
+    install_requires=[
+        "torch==2.14.1",
+        "torchtitan==0.3.0",
+        "megatron-core==0.16.1",
+        "ray[default]>=2.60,<3",
+        "tyro>=1.0",
+        "matplotlib>=3.8",
+    ],
+    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    entry_points={"console_scripts": ["piper=piper_plugin.cli:main"]},
+)
