@@ -1,0 +1,248 @@
+"""Simulator: runs every rank's plan against a cost model, before any process exists.
+
+Semantics (the runtime's): each (rank, logical stream) runs its tasks strictly in plan order;
+a task starts once its local dependencies finished; compute tasks of one rank share one
+compute unit; SEND is buffered (never blocks) and its RECV completes once the data arrived;
+a collective starts when every member of its group reached it. If tasks remain when nothing
+can start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
+
+Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
+plus the peak of activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a
+reduce-scatter and received buffers, each held until its last local consumer finishes.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from piper_plugin.ir.nodes import COLLECTIVES, Kind
+from piper_plugin.scheduler.cost import CostModel
+from piper_plugin.scheduler.plan import Plan
+
+__all__ = ["simulate", "SimResult", "DeadlockError", "static_memory"]
+
+_BYTES_PER_OPT_STATE = 2  # AdamW keeps exp_avg and exp_avg_sq, each the size of the params
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+@dataclass
+class SimResult:
+    step_time: float
+    busy: list[float]
+    timeline: list[tuple[int, str, str, float, float]]  # rank, stream, key, start, end
+    static_bytes: list[dict[str, int]]
+    peak_transient_bytes: list[int]
+    per_rank_peak: list[int] = field(default_factory=list)
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.step_time - b for b in self.busy]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Mean over ranks of idle compute time / step time."""
+        return sum(self.idle) / (len(self.busy) * self.step_time) if self.step_time else 0.0
+
+    @property
+    def peak_memory(self) -> list[int]:
+        return [sum(s.values()) + t for s, t in zip(self.static_bytes, self.peak_transient_bytes)]
+
+
+def static_memory(plan: Plan) -> list[dict[str, int]]:
+    """Per rank: bytes of params, grads and optimizer state kept across the step."""
+    dag, grid = plan.dag, plan.grid
+    sizes = dag.meta["param_bytes"]
+    sharded = dag.meta.get("sharded", {})
+    out = []
+    for r in range(grid.world_size):
+        mem = {"params": 0, "grads": 0, "optimizer": 0}
+        for region, params in dag.meta.get("update_params", {}).items():
+            node = dag.nodes.get(f"{region}F0")
+            if node is None or r not in node.devices:
+                continue
+            full = sum(sizes[p] for p in params) // sharded.get(region, 1)
+            zero = dag.meta.get("replicated", {}).get(region, 0)
+            buckets = dag.buckets.get(region) or []
+            axis = "dp" if region in sharded else "data"
+            n = len(grid.groups(axis, node.devices)[0]) if buckets else 1
+            shard = -(-full // n)
+            mem["params"] += shard if zero == 3 else full
+            mem["grads"] += shard if zero >= 2 else full
+            mem["optimizer"] += _BYTES_PER_OPT_STATE * (shard if zero >= 1 else full)
+        out.append(mem)
+    return out
+
+
+def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
+    cost = cost or CostModel()
+    dag, grid = plan.dag, plan.grid
+    world = grid.world_size
+    shards = plan.microbatches * grid.data_shards
+    heap: list[tuple[float, int, int, str]] = []
+    seq = 0
+    pos = {(r, s): 0 for r in range(world) for s in plan.ranks[r].streams}
+    left = {(r, k): len(d) for r in range(world) for k, d in plan.ranks[r].deps.items()}
+    users: dict[tuple[int, str], list[str]] = {}
+    for r in range(world):
+        for k, deps in plan.ranks[r].deps.items():
+            for d in deps:
+                users.setdefault((r, d), []).append(k)
+    end: dict[tuple[int, str], float] = {}
+    stream_free = {key: 0.0 for key in pos}
+    compute_free = [0.0] * world
+    busy = [0.0] * world
+    arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
+    queued: set[tuple[int, str]] = set()
+    timeline = []
+    memory = _Memory(plan, shards)
+
+    def push(t: float, r: int, key: str) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, r, key))
+
+    def try_head(r: int, stream: str) -> None:
+        keys = plan.ranks[r].streams[stream]
+        i = pos[(r, stream)]
+        if i >= len(keys):
+            return
+        key = keys[i]
+        if left[(r, key)] or (r, key) in queued:
+            return
+        node = dag.nodes[key]
+        t = max([stream_free[(r, stream)]] + [end[(r, d)] for d in plan.ranks[r].deps[key]])
+        if node.kind == Kind.RECV:
+            src = grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
+            if (src, node.peer) not in end:
+                return
+            t = max(t, end[(src, node.peer)])
+        if node.kind in COLLECTIVES:
+            group = next(g for g in grid.groups(node.axis, node.devices) if r in g)
+            got = arrivals.setdefault((key, group), {})
+            got[r] = t
+            queued.add((r, key))
+            if len(got) == len(group):
+                start = max(got.values())
+                for member in group:
+                    push(start, member, key)
+            return
+        queued.add((r, key))
+        push(t, r, key)
+
+    for r in range(world):
+        for s in plan.ranks[r].streams:
+            try_head(r, s)
+    done = 0
+    total = sum(len(rp.deps) for rp in plan.ranks)
+    while heap:
+        t, _, r, key = heapq.heappop(heap)
+        node = dag.nodes[key]
+        if node.is_compute:
+            start = max(t, compute_free[r])
+            if start > t:
+                push(start, r, key)
+                continue
+            duration = cost.compute(dag, node)
+            compute_free[r] = start + duration
+            busy[r] += duration if node.kind != Kind.UPDATE else 0.0
+        else:
+            start = t
+            group = len(next(g for g in grid.groups(node.axis, node.devices) if r in g)) if node.axis else 2
+            duration = 0.0 if node.kind == Kind.RECV else cost.comm(node, group)
+        finish = start + duration
+        end[(r, key)] = finish
+        timeline.append((r, node.stream, key, start, finish))
+        memory.on_task(r, key, start, finish)
+        stream_free[(r, node.stream)] = finish
+        pos[(r, node.stream)] += 1
+        done += 1
+        touched = {node.stream}
+        for u in users.get((r, key), ()):
+            left[(r, u)] -= 1
+            touched.add(dag.nodes[u].stream)
+        for s in touched:
+            try_head(r, s)
+        if node.kind == Kind.SEND:
+            dst = grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
+            try_head(dst, dag.nodes[node.peer].stream)
+    if done != total:
+        heads = []
+        for (r, s), i in sorted(pos.items()):
+            keys = plan.ranks[r].streams[s]
+            if i < len(keys):
+                heads.append(f"rank {r} {s}: {keys[i]}")
+        raise DeadlockError("plan deadlocks; blocked stream heads: " + "; ".join(heads[:16]))
+    step = max(end.values(), default=0.0)
+    peaks = memory.peaks()
+    static = static_memory(plan)
+    return SimResult(step_time=step, busy=busy, timeline=timeline, static_bytes=static,
+                     peak_transient_bytes=peaks,
+                     per_rank_peak=[sum(s.values()) + p for s, p in zip(static, peaks)])
+
+
+class _Memory:
+    """Transient memory per rank: a buffer is allocated when its producer starts and freed
+    when its last local consumer finishes."""
+
+    def __init__(self, plan: Plan, shards: int):
+        self.plan, self.shards = plan, shards
+        self.events: list[list[tuple[float, int]]] = [[] for _ in range(plan.grid.world_size)]
+        self.waiting: dict[tuple[int, str], tuple[int, set[str]]] = {}
+        self.released_by: dict[tuple[int, str], list[str]] = {}
+
+    def on_task(self, r: int, key: str, start: float, finish: float) -> None:
+        events = self.events[r]
+        held = _held_bytes(self.plan, self.plan.dag.nodes[key], self.shards)
+        if held:
+            consumers = _consumers(self.plan, r, key)
+            events.append((start, held))
+            if consumers:
+                self.waiting[(r, key)] = (held, set(consumers))
+                for c in consumers:
+                    self.released_by.setdefault((r, c), []).append(key)
+            else:
+                events.append((finish, -held))
+        for producer in self.released_by.pop((r, key), []):
+            nbytes, left = self.waiting[(r, producer)]
+            left.discard(key)
+            if not left:
+                events.append((finish, -nbytes))
+                del self.waiting[(r, producer)]
+
+    def peaks(self) -> list[int]:
+        out = []
+        for events in self.events:
+            level = peak = 0
+            for _, delta in sorted(events):
+                level += delta
+                peak = max(peak, level)
+            out.append(peak)
+        return out
+
+
+def _held_bytes(plan: Plan, node, shards: int) -> int:
+    dag = plan.dag
+    if node.kind == Kind.F:
+        return dag.regions[node.region].activation_bytes // shards // plan.dag.meta.get("sharded", {}).get(node.region, 1)
+    if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
+        return node.bytes * len(next(iter(plan.grid.groups(node.axis, node.devices))))
+    if node.kind == Kind.RECV:
+        return node.bytes
+    if node.kind in (Kind.B, Kind.BW) and dag.meta.get("replicated", {}).get(node.region, 0) >= 2:
+        sizes = dag.meta["param_bytes"]
+        return sum(sizes[p] for p in dag.meta["update_params"][node.region]) // dag.meta.get("sharded", {}).get(node.region, 1)
+    return 0
+
+
+def _consumers(plan: Plan, r: int, key: str) -> list[str]:
+    """Local tasks after which a buffer made by ``key`` is released."""
+    dag = plan.dag
+    node = dag.nodes[key]
+    if node.kind == Kind.F:  # activations live until the backward that finishes with them
+        last = Kind.BW if dag.meta.get("split_backward") and dag.regions[node.region].params else (
+            Kind.BI if dag.meta.get("split_backward") else Kind.B)
+        return [s for s in dag.data_succ[key] if dag.nodes[s].kind == last]
+    return [s for s in dag.data_succ[key] if r in dag.nodes[s].devices]
