@@ -62,7 +62,7 @@ class Attention(nn.Module):
         if dim % n_heads:
             raise ValueError(f"dim={dim} must be divisible by n_heads={n_heads}")
         self.n_heads, self.head_dim = n_heads, dim // n_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias has no gradient
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,10 @@ def chain(dag: DAG, groups: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
 def overlap_block(dag: DAG, members: Iterable[str]) -> list[tuple[str, str]]:
     """Make ``members`` start together and finish together (block semantics)."""
     group = set(members)
-    inputs = {p for m in group for p in dag.preds(m) if p not in group}
-    outputs = {s for m in group for s in dag.succs(m) if s not in group}
+    inner = _inner_comm(dag, group)
+    block = group | inner
+    inputs = {p for m in block for p in dag.preds(m) if p not in block}
+    outputs = {s for m in block for s in dag.succs(m) if s not in block}
     added = []
     for m in group:
         for p in inputs:
@@ -43,6 +45,18 @@ def overlap_block(dag: DAG, members: Iterable[str]) -> list[tuple[str, str]]:
                 dag.add_temporal(m, s)
                 added.append((m, s))
     return added
+
+
+def _inner_comm(dag: DAG, group: set[str]) -> set[str]:
+    """Comm nodes between two members (e.g. an expert all-to-all inside one stage's chunks)."""
+    inner: set[str] = set()
+    frontier = [s for m in group for s in dag.succs(m) if s not in group and not dag.nodes[s].is_compute]
+    while frontier:
+        key = frontier.pop()
+        if key in inner or not any(s in group for s in dag.succs(key)):
+            continue
+        inner.add(key)
+    return inner
 
 
 def roll_back(dag: DAG, edges: list[tuple[str, str]]) -> None:

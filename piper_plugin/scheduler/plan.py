@@ -85,9 +85,11 @@ def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
     for key, node in dag.nodes.items():
         if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B") and not dag.temporal_pred[key]:
             consumers = [s for s in dag.data_succ[key] if dag.nodes[s].is_compute]
-            first = min(consumers, key=position.__getitem__)
-            if first in previous and previous[first] not in dag.data_succ[key]:
-                dag.add_temporal(previous[first], key)
+            before = previous.get(min(consumers, key=position.__getitem__))
+            while before is not None and (before in dag.temporal_succ[key] or before in dag.data_succ[key]):
+                before = previous.get(before)  # already after the gather (an overlap block): look earlier
+            if before is not None:
+                dag.add_temporal(before, key)
                 changed = True
     return changed
 

@@ -1,0 +1,65 @@
+"""What each communication node sends and what it does with what it receives.
+
+``payload`` gives this rank's input tensor; ``absorb`` stores the result. Backends (the
+in-process reference, torch.distributed) only move tensors, with these group semantics:
+ALL_REDUCE sums; REDUCE_SCATTER sums then gives member i chunk i; ALL_GATHER concatenates in
+group order; ALL_TO_ALL *dispatch* (``F.in``, ``B.out``) sends chunk j of dim 0 to member j and
+concatenates what arrives along dim 1, *combine* (``F.out``, ``B.in``) is its inverse.
+"""
+from __future__ import annotations
+
+import torch
+
+from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.runtime.rank_state import RankState
+
+__all__ = ["payload", "absorb", "is_dispatch", "tied_param"]
+
+
+def is_dispatch(node: Node) -> bool:
+    return node.qual in ("F.in", "B.out")
+
+
+def tied_param(state: RankState, node: Node):
+    name = state.dag.meta["ties"][node.key]
+    for chunk in state.chunks.values():
+        for n, p in chunk.named_parameters():
+            if n == name:
+                return p
+    raise RuntimeError(f"rank {state.rank} holds no copy of tied parameter {name}")
+
+
+def payload(state: RankState, node: Node):
+    if node.kind == Kind.SEND:
+        return state.take(node.key)
+    if node.kind == Kind.ALL_TO_ALL:
+        (value,) = state.take(node.key).values()
+        return value
+    if node.kind == Kind.ALL_REDUCE and node.qual.startswith("tie"):
+        p = tied_param(state, node)
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+    bucket = state.buckets[(node.region, node.bucket)]
+    if node.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER):
+        return bucket.flat_grad(take=True)
+    return bucket.shard_data()  # ALL_GATHER
+
+
+def absorb(state: RankState, node: Node, result) -> None:
+    if node.kind == Kind.RECV:
+        state.deliver(node.key, result)
+    elif node.kind == Kind.ALL_TO_ALL:
+        name = next(v for vs in state.dag.data_pred[node.key].values() for v in vs)
+        state.deliver(node.key, {name: result})
+    elif node.kind == Kind.ALL_REDUCE and node.qual.startswith("tie"):
+        tied_param(state, node).grad = result
+    else:
+        bucket = state.buckets[(node.region, node.bucket)]
+        if node.kind == Kind.ALL_REDUCE:
+            bucket.set_grad(result)
+        elif node.kind == Kind.REDUCE_SCATTER:
+            bucket.add_shard_grad(result)
+        else:
+            bucket.materialize(result)
+            if node.phase in ("F", "B"):
+                bucket.refs += state.local_consumers(node.key)
+    state.finished(node.key)

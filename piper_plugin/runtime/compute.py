@@ -1,0 +1,109 @@
+"""Compute handlers, one per chunk kind; each reads its inbox and delivers its outputs.
+
+Invariants: F makes every input produced by another region a fresh autograd leaf, so B / BI
+yield exactly the gradients to send upstream; BI keeps the graph for BW; the loss output's
+gradient is the microbatch scale 1/(microbatches x data shards), so summed over all of them
+the step equals the full-batch mean.
+"""
+from __future__ import annotations
+
+import torch
+
+from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.runtime.rank_state import RankState
+
+__all__ = ["run_compute"]
+
+
+def _forward(state: RankState, node: Node) -> None:
+    region = state.dag.regions[node.region]
+    mb = node.microbatch
+    box = state.take(node.key)
+    args, leaves = [], {}
+    for v in region.inputs:
+        if v in box:
+            t = box[v]
+            leaf = t.detach().requires_grad_(t.is_floating_point())
+            leaves[v] = leaf
+            args.append(leaf)
+        elif v in state.inputs:
+            args.append(state.inputs[v][mb])
+        else:
+            raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
+    outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
+    state.saved[(node.region, mb)] = (leaves, outputs)
+    if node.region == state.loss_region:
+        state.losses.append(outputs[state.loss_value].detach() * state.scale)
+    state.deliver(node.key, {k: t.detach() for k, t in outputs.items()})
+
+
+def _output_grads(state: RankState, node: Node, outputs, box):
+    outs, grads = [], []
+    for v, t in outputs.items():
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            continue
+        if v == state.loss_value and node.region == state.loss_region:
+            g = torch.full_like(t, state.scale)
+        else:
+            g = box.get(f"grad:{v}")
+        if g is not None:
+            outs.append(t)
+            grads.append(g)
+    return outs, grads
+
+
+def _deliver_input_grads(state: RankState, node: Node, leaves, grads) -> None:
+    out = {f"grad:{v}": g for (v, _), g in zip(leaves.items(), grads) if g is not None}
+    state.deliver(node.key, out)
+
+
+def _backward(state: RankState, node: Node) -> None:
+    leaves, outputs = state.saved.pop((node.region, node.microbatch))
+    outs, grads = _output_grads(state, node, outputs, state.take(node.key))
+    if outs:
+        torch.autograd.backward(outs, grads)
+    _deliver_input_grads(state, node, leaves, [leaf.grad for leaf in leaves.values()])
+
+
+def _backward_input(state: RankState, node: Node) -> None:
+    key = (node.region, node.microbatch)
+    leaves, outputs = state.saved[key]
+    outs, grads = _output_grads(state, node, outputs, state.take(node.key))
+    has_bw = bool(state.dag.regions[node.region].params)
+    wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
+    got = iter(torch.autograd.grad(outs, wanted, grads, retain_graph=has_bw, allow_unused=True)
+               if outs and wanted else [None] * len(wanted))
+    _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
+    if has_bw:
+        state.pending_bw[key] = (outs, grads)
+    else:
+        del state.saved[key]
+
+
+def _backward_weight(state: RankState, node: Node) -> None:
+    key = (node.region, node.microbatch)
+    outs, grads = state.pending_bw.pop(key)
+    del state.saved[key]
+    params = [p for p in state.chunks[node.region].parameters() if p.requires_grad]
+    if not outs:
+        return
+    for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
+def _update(state: RankState, node: Node) -> None:
+    if state.snapshot_grads:
+        state.snapshot(node.region)
+    optimizer = state.optimizers[node.region]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+_HANDLERS = {Kind.F: _forward, Kind.B: _backward, Kind.BI: _backward_input, Kind.BW: _backward_weight,
+             Kind.UPDATE: _update}
+
+
+def run_compute(state: RankState, node: Node) -> None:
+    _HANDLERS[node.kind](state, node)
+    state.finished(node.key)

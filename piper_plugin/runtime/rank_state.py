@@ -1,0 +1,145 @@
+"""What one rank owns: its chunks, parameter buckets, optimizers and in-flight values.
+
+Values flow along data edges: a finished task *delivers* its outputs into the inbox of each
+local successor that reads them (gradients from several consumers add up), and the inbox is
+dropped when that successor finishes. Activations a forward saved for its backward live in
+``saved`` until the last backward task of that chunk (B, or BW after BI) finishes; gathered
+ZeRO-3 buckets live until their last consumer finishes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from piper_plugin.ir.capture import Program
+from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.runtime.buckets import FlatBucket
+from piper_plugin.scheduler.plan import Plan
+
+__all__ = ["RankState"]
+
+OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class RankState:
+    def __init__(self, rank: int, plan: Plan, program: Program, model: nn.Module,
+                 loss_fn: Callable[..., torch.Tensor], optimizer_fn: OptimizerFn):
+        self.rank = rank
+        self.plan = plan
+        self.dag = plan.dag
+        grid = plan.grid
+        self.pp, self.dp, self.ep = grid.coords(rank)
+        self.shard_index = grid.data_shard(rank)
+        placement = self.dag.meta["placement"]
+        self.regions = [r for r, pp in placement.items() if pp == self.pp]
+        chunks = program.instantiate(model, loss_fn)
+        self.chunks: dict[str, fx.GraphModule] = {r: chunks[r] for r in self.regions}
+        named = dict(_Named(model).named_parameters())
+        self._shard_experts(named)
+        self.loss_region = program.loss_region
+        self.loss_value = program.loss_value
+        self.scale = 1.0 / (plan.microbatches * grid.data_shards)
+        self.buckets: dict[tuple[str, int], FlatBucket] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._build_buckets(named, optimizer_fn)
+        self.inbox: dict[str, dict[str, torch.Tensor]] = {}
+        self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self.pending_bw: dict[tuple[str, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.inputs: dict[str, list[torch.Tensor]] = {}
+        self.losses: list[torch.Tensor] = []
+        self.grad_snapshots: dict[tuple[str, Any], tuple[int, torch.Tensor, FlatBucket | None]] = {}
+        self.snapshot_grads = False
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _shard_experts(self, named: dict[str, nn.Parameter]) -> None:
+        """Keep this rank's slice of each EP-sharded region's experts."""
+        for region, ep in self.dag.meta.get("sharded", {}).items():
+            if region not in self.regions:
+                continue
+            for name in self.dag.regions[region].params:
+                p = named[name]
+                size = p.shape[0] // ep
+                p.data = p.data[self.ep * size:(self.ep + 1) * size].clone()
+
+    def _build_buckets(self, named: dict[str, nn.Parameter], optimizer_fn: OptimizerFn) -> None:
+        grid = self.plan.grid
+        self._unbucketed: dict[str, dict[str, nn.Parameter]] = {}
+        sharded = self.dag.meta.get("sharded", {})
+        for region in self.regions:
+            own = self.dag.meta["update_params"][region]
+            if not own:
+                continue
+            specs = self.dag.buckets.get(region) or []
+            groups_axis = "dp" if region in sharded else "data"
+            devices = self.dag.nodes[f"{region}F0"].devices
+            group = next(g for g in grid.groups(groups_axis, devices) if self.rank in g)
+            tensors: list[nn.Parameter] = []
+            if not specs:  # a single replica: no reduction, optimizer over the params
+                tensors = [named[p] for p in own]
+                self._unbucketed[region] = {p: named[p] for p in own}
+            for spec in specs:
+                zero = spec.zero if len(group) > 1 else 0
+                bucket = FlatBucket([named[p] for p in spec.params], zero, len(group), group.index(self.rank))
+                self.buckets[(region, spec.index)] = bucket
+                tensors += bucket.optimizer_params()
+            self.optimizers[region] = optimizer_fn(tensors)
+
+    def set_batch(self, inputs: dict[str, torch.Tensor]) -> None:
+        """This rank's data shard of the global batch, cut into microbatches."""
+        grid, m = self.plan.grid, self.plan.microbatches
+        self.inputs = {}
+        for name, full in inputs.items():
+            shard = full.chunk(grid.data_shards)[self.shard_index]
+            self.inputs[name] = list(shard.chunk(m))
+        self.losses = []
+
+    # -- data flow --------------------------------------------------------------------------
+    def deliver(self, key: str, outputs: dict[str, torch.Tensor]) -> None:
+        for succ, values in self.dag.data_succ[key].items():
+            if self.rank not in self.dag.nodes[succ].devices:
+                continue
+            box = self.inbox.setdefault(succ, {})
+            for v in values:
+                if v in outputs:
+                    box[v] = outputs[v] if v not in box else box[v] + outputs[v]
+
+    def take(self, key: str) -> dict[str, torch.Tensor]:
+        return self.inbox.pop(key, {})
+
+    def finished(self, key: str) -> None:
+        """Release gathered ZeRO-3 buckets whose last local consumer was ``key``."""
+        for pred in self.dag.data_pred[key]:
+            node = self.dag.nodes[pred]
+            if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
+                bucket = self.buckets[(node.region, node.bucket)]
+                bucket.refs -= 1
+                if bucket.refs == 0:
+                    bucket.release()
+
+    def local_consumers(self, key: str) -> int:
+        return sum(1 for s in self.dag.data_succ[key] if self.rank in self.dag.nodes[s].devices)
+
+    def unbucketed(self) -> dict[str, nn.Parameter]:
+        return {n: p for params in self._unbucketed.values() for n, p in params.items()}
+
+    def snapshot(self, region: str) -> None:
+        """Record the reduced gradients UPDATE is about to apply (parity tests read them)."""
+        for (r, index), bucket in self.buckets.items():
+            if r != region:
+                continue
+            flat = bucket.shard.grad if bucket.shard is not None else bucket.flat_grad(take=False)
+            slot = bucket.index if bucket.shard is not None else 0
+            self.grad_snapshots[(region, index)] = (slot, flat.detach().clone(), bucket)
+        for name, p in self._unbucketed.get(region, {}).items():
+            self.grad_snapshots[(region, name)] = (0, p.grad.detach().clone(), None)
+
+
+class _Named(nn.Module):
+    """Parameter names as capture sees them (the model sits under ``model.``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
