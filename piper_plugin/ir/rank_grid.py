@@ -58,13 +58,12 @@ class RankGrid:
         """Partition ``ranks`` into the communicator groups of ``axis``."""
         if axis not in AXES:
             raise ValueError(f"unknown grid axis {axis!r}; one of {AXES}")
-        if axis in ("data", "pp"):
-            return [tuple(sorted(ranks))]
-        index = 1 if axis == "dp" else 2
+        varying = {"data": (1, 2), "pp": (0,), "dp": (1,), "ep": (2,)}[axis]
         buckets: dict[tuple[int, ...], list[int]] = {}
         for r in sorted(ranks):
             c = list(self.coords(r))
-            c[index] = -1
+            for index in varying:
+                c[index] = -1
             buckets.setdefault(tuple(c), []).append(r)
         return [tuple(g) for g in buckets.values()]
 

@@ -1,0 +1,59 @@
+"""Invariant 1: a schedule never changes the result (reference executor vs one device)."""
+import pytest
+import torch
+
+from piper_plugin.api.errors import DirectiveError
+from piper_plugin.models import build_toy_lm, build_toy_moe, lm_batch, lm_loss
+from piper_plugin.recipes import apply_recipe, stages_needed
+from parity import check_parity
+
+RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
+
+
+def _run(recipe, pp, m, dp=1, ep=1, zero=0, moe=False, tie=False, bucket_bytes=None):
+    stages = stages_needed(recipe, pp)
+    torch.manual_seed(0)
+    model, cfg = (build_toy_moe if moe else build_toy_lm)(stages=stages, layers=stages)
+    if tie:
+        cfg.tie_embeddings = True
+        model = type(model)(cfg, stages=stages)
+    batch = lm_batch(cfg, 2 * m * dp * ep, torch.Generator().manual_seed(1))
+    return check_parity(model, lm_loss, batch,
+                        lambda s: apply_recipe(s, recipe, microbatches=m, zero=zero, bucket_bytes=bucket_bytes),
+                        pp=pp, dp=dp, ep=ep)
+
+
+@pytest.mark.parametrize("m", [4, 8])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_matches_single_device(recipe, pp, m):
+    if recipe == "dualpipev" and m < 2 * pp:
+        with pytest.raises(DirectiveError, match="dualpipev"):
+            _run(recipe, pp, m)
+        return
+    _run(recipe, pp, m)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_data_parallel_zero_matches_single_device(recipe, zero):
+    _run(recipe, 2, 4, dp=2, zero=zero)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_expert_parallel_moe_matches_single_device(recipe):
+    _run(recipe, 2, 4, ep=2, moe=True)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_moe_dp_times_ep_matches_single_device(zero):
+    _run("1f1b", 2, 4, dp=2, ep=2, zero=zero, moe=True)
+
+
+def test_zero3_buckets_match_single_device():
+    _run("1f1b", 2, 4, dp=2, zero=3, bucket_bytes=4096)
+
+
+@pytest.mark.parametrize("recipe", ["1f1b", "dualpipev"])
+def test_tied_embeddings_match_single_device(recipe):
+    _run(recipe, 2, 4, dp=2, zero=0, tie=True)
