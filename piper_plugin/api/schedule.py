@@ -83,10 +83,10 @@ class Schedule:
         close_placement(self.dag, self.grid, self.program.tied)
         self._placement_closed = True
 
-    def _before_split(self, directive: str, text: str) -> None:
+    def _before_split(self, directive: str, target: str) -> None:
         if "microbatches" in self.dag.meta:
-            raise DirectiveError(directive, repr(text), "the DAG is already split into microbatches",
-                                 "apply place / shard / replicate before split")
+            fix = "apply split once" if directive == "split" else f"apply {directive} before split"
+            raise DirectiveError(directive, target, "the DAG is already split into microbatches", fix)
 
     # -- placement phase ------------------------------------------------------------------
     def place(self, regions: str, *, rank: int) -> "Schedule":
@@ -109,7 +109,7 @@ class Schedule:
 
     def shard(self, regions: str, *, degree: int | None = None) -> "Schedule":
         """Expert parallelism: split the matching regions' experts over the grid's ep axis."""
-        self._before_split("shard", regions)
+        self._before_split("shard", repr(regions))
         self._close_placement("shard")
         hits = self._regions("shard", regions)
         if self.grid.ep == 1:
@@ -134,7 +134,7 @@ class Schedule:
 
     def replicate(self, regions: str = "*", *, zero: int = 0, bucket_bytes: int | None = None) -> "Schedule":
         """Data parallelism over each region's replicas, ZeRO level ``zero`` (0-3)."""
-        self._before_split("replicate", regions)
+        self._before_split("replicate", repr(regions))
         self._close_placement("replicate")
         hits = self._regions("replicate", regions)
         if zero not in (0, 1, 2, 3):

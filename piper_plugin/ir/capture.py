@@ -8,7 +8,7 @@ run of ops with one tag set, so a stage whose experts sit in the middle has thre
 (``1.0``, ``1.1``, ``1.2``). Parameters are not values: each region that reads a parameter
 holds it, and a parameter read by several regions is a tied weight.
 
-Invariants: regions form a DAG through their values; every op (but inputs and parameters)
+Invariants: regions form a DAG through their values (a run only reads earlier runs); every op (but inputs and parameters)
 belongs to exactly one region; running the regions in region order on the same inputs
 reproduces the traced model bit for bit.
 """
@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from piper_plugin.api.annotate import current_tags, module_tags
-from piper_plugin.ir.graph import DAG, CycleError, Region
+from piper_plugin.ir.graph import DAG, Region
 from piper_plugin.ir.nodes import Kind, Node
 
 __all__ = ["Program", "capture", "CaptureError"]
@@ -312,13 +312,6 @@ def _single_device_dag(regions: dict[str, Region], producer: dict[str, str], inp
         for src, values in by_src.items():
             dag.add_data(f"{src}F", f, values)
             dag.add_data(b, f"{src}B", tuple(f"grad:{v}" for v in values))
-    try:
-        dag.topological_order()
-    except CycleError as exc:
-        raise CaptureError(
-            f"regions depend on each other in a cycle ({exc}); an op tagged for a later region "
-            f"feeds an earlier one. Move the annotate block so each region only reads earlier ones."
-        ) from exc
     dag.meta["loss_region"] = loss_region
     dag.meta["inputs"] = list(input_names)
     return dag

@@ -1,0 +1,87 @@
+"""The simulator reproduces textbook bubbles (uniform costs) and the memory each schedule holds."""
+import pytest
+import torch
+
+from piper_plugin import capture
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
+from piper_plugin.recipes import apply_recipe, stages_needed
+from piper_plugin.scheduler.cost import CostModel
+from piper_plugin.scheduler.plan import build_plan
+from piper_plugin.scheduler.simulate import simulate
+
+F, B, W = 1.0, 2.0, 1.0  # per pipeline stage of a one-chunk schedule; B is the full backward
+
+
+def _simulate(recipe, p, m, dp=1, zero=0, cost=None):
+    stages = stages_needed(recipe, p)
+    with torch.device("meta"):
+        model, cfg = build_toy_lm(stages=stages, layers=stages)
+    x, y = lm_batch(cfg, m * dp)
+    sch = Schedule(capture(model, lm_loss, (x,), y), pp=p, dp=dp)
+    apply_recipe(sch, recipe, microbatches=m, zero=zero)
+    v = stages // p
+    plan = build_plan(sch.dag, sch.grid)
+    return plan, simulate(plan, cost or CostModel.uniform(F=F / v, B=B / v, W=W / v))
+
+
+def _expected_idle(recipe, p):
+    if recipe in ("gpipe", "1f1b"):
+        return (p - 1) * (F + B)
+    if recipe == "interleaved-1f1b":
+        return (p - 1) * (F + B) / 2
+    if recipe == "zb-h1":
+        return (p - 1) * (F + B - 2 * W)
+    # DualPipeV: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and per-stage costs (each stage
+    # is half a rank's layers here, so per-stage F, B, W are halved); F&B = F + B.
+    f, b, w = F / 2, B / 2, W / 2
+    return (p - 1) * ((f + b) + b - 3 * w)
+
+
+@pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("recipe", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"])
+def test_bubble_matches_textbook_formula(recipe, p, m):
+    if recipe == "dualpipev" and m < 2 * p:
+        pytest.skip("DualPipeV needs m >= 2p")
+    _, result = _simulate(recipe, p, m)
+    expected = _expected_idle(recipe, p)
+    for idle in result.idle:
+        assert idle == pytest.approx(expected, rel=0.01)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_gpipe_bubble_fraction(p, m):
+    _, result = _simulate("gpipe", p, m)
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=0.01)
+
+
+def _activation_units(plan, result):
+    region = plan.dag.regions["0"]
+    unit = region.activation_bytes // plan.microbatches
+    return result.peak_transient_bytes[0] / unit
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_holds_p():
+    p, m = 4, 8
+    assert _activation_units(*_simulate("gpipe", p, m)) == pytest.approx(m, rel=0.05)
+    assert _activation_units(*_simulate("1f1b", p, m)) == pytest.approx(p, rel=0.05)
+
+
+def test_zero_levels_shrink_static_memory():
+    params = []
+    for zero in range(4):
+        plan, result = _simulate("1f1b", 2, 4, dp=2, zero=zero)
+        params.append(result.static_bytes[0])
+    full = params[0]["params"]
+    assert params[1]["optimizer"] == pytest.approx(full, rel=0.01)  # 2 states / 2 ranks
+    assert params[0]["optimizer"] == 2 * full
+    assert params[2]["grads"] == pytest.approx(full / 2, rel=0.01)
+    assert params[3]["params"] == pytest.approx(full / 2, rel=0.01)
+    assert params[1]["params"] == params[2]["params"] == full
+
+
+def test_comm_cost_lengthens_the_step():
+    _, free = _simulate("1f1b", 2, 4, dp=2)
+    _, slow = _simulate("1f1b", 2, 4, dp=2, cost=CostModel(latency=0.5))
+    assert slow.step_time > free.step_time
