@@ -59,7 +59,9 @@ def absorb(state: RankState, node: Node, result) -> None:
         elif node.kind == Kind.REDUCE_SCATTER:
             bucket.add_shard_grad(result)
         else:
-            bucket.materialize(result)
             if node.phase in ("F", "B"):
+                if bucket.refs == 0:
+                    state.meter.add(bucket.padded * bucket.flat.element_size())
                 bucket.refs += state.local_consumers(node.key)
+            bucket.materialize(result)
     state.finished(node.key)

@@ -30,7 +30,8 @@ def _forward(state: RankState, node: Node) -> None:
             args.append(state.inputs[v][mb])
         else:
             raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
-    outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
+    with state.meter.saved_tensor_hooks():
+        outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
     state.saved[(node.region, mb)] = (leaves, outputs)
     if node.region == state.loss_region:
         state.losses.append(outputs[state.loss_value].detach() * state.scale)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import threading
+
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -17,6 +19,8 @@ import torch.nn as nn
 from piper_plugin.ir.capture import Program
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.buckets import FlatBucket
+from piper_plugin.runtime.memory import MemoryMeter
+from piper_plugin.runtime.pieces import Piece
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["RankState"]
@@ -38,6 +42,7 @@ class RankState:
         chunks = program.instantiate(model, loss_fn)
         self.chunks: dict[str, fx.GraphModule] = {r: chunks[r] for r in self.regions}
         named = dict(_Named(model).named_parameters())
+        self._names = {id(p): n for n, p in named.items()}
         self._shard_experts(named)
         self.loss_region = program.loss_region
         self.loss_value = program.loss_value
@@ -46,12 +51,15 @@ class RankState:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self._build_buckets(named, optimizer_fn)
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
-        self.grad_snapshots: dict[tuple[str, Any], tuple[int, torch.Tensor, FlatBucket | None]] = {}
+        self.grad_pieces: dict[str, list[Piece]] = {}
         self.snapshot_grads = False
+        self.meter = MemoryMeter()
+        self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
 
     # -- set-up ----------------------------------------------------------------------------
     def _shard_experts(self, named: dict[str, nn.Parameter]) -> None:
@@ -101,13 +109,19 @@ class RankState:
         for succ, values in self.dag.data_succ[key].items():
             if self.rank not in self.dag.nodes[succ].devices:
                 continue
-            box = self.inbox.setdefault(succ, {})
-            for v in values:
-                if v in outputs:
-                    box[v] = outputs[v] if v not in box else box[v] + outputs[v]
+            with self._lock:
+                box = self.inbox.setdefault(succ, {})
+                for v in values:
+                    if v in outputs:
+                        if v not in box:
+                            self.meter.add(_nbytes(outputs[v]))
+                        box[v] = outputs[v] if v not in box else box[v] + outputs[v]
 
     def take(self, key: str) -> dict[str, torch.Tensor]:
-        return self.inbox.pop(key, {})
+        with self._lock:
+            box = self.inbox.pop(key, {})
+        self.meter.add(-sum(_nbytes(t) for t in box.values()))
+        return box
 
     def finished(self, key: str) -> None:
         """Release gathered ZeRO-3 buckets whose last local consumer was ``key``."""
@@ -118,6 +132,7 @@ class RankState:
                 bucket.refs -= 1
                 if bucket.refs == 0:
                     bucket.release()
+                    self.meter.add(-bucket.padded * bucket.flat.element_size())
 
     def local_consumers(self, key: str) -> int:
         return sum(1 for s in self.dag.data_succ[key] if self.rank in self.dag.nodes[s].devices)
@@ -126,15 +141,31 @@ class RankState:
         return {n: p for params in self._unbucketed.values() for n, p in params.items()}
 
     def snapshot(self, region: str) -> None:
-        """Record the reduced gradients UPDATE is about to apply (parity tests read them)."""
-        for (r, index), bucket in self.buckets.items():
+        """Record the reduced gradients UPDATE is about to apply (parity checks read them)."""
+        self.grad_pieces[region] = self._pieces(region, grads=True)
+
+    def param_pieces(self) -> list[Piece]:
+        return [p for region in self.regions for p in self._pieces(region, grads=False)]
+
+    def _pieces(self, region: str, grads: bool) -> list[Piece]:
+        ep = self.dag.meta.get("sharded", {}).get(region, 1)
+        out = []
+        for (r, _), bucket in self.buckets.items():
             if r != region:
                 continue
-            flat = bucket.shard.grad if bucket.shard is not None else bucket.flat_grad(take=False)
-            slot = bucket.index if bucket.shard is not None else 0
-            self.grad_snapshots[(region, index)] = (slot, flat.detach().clone(), bucket)
+            if bucket.shard is not None:
+                flat, slot, n = (bucket.shard.grad if grads else bucket.shard_data()), bucket.index, bucket.n
+            else:
+                flat, slot, n = (bucket.flat_grad(take=False) if grads else bucket.flat[:bucket.numel]), 0, 1
+                flat = flat[:bucket.numel]
+            names = tuple(self._names[id(p)] for p in bucket.params)
+            out.append(Piece(names, tuple(tuple(p.shape) for p in bucket.params), slot, n,
+                             self.ep if ep > 1 else 0, ep, flat.detach().clone(), self.rank))
         for name, p in self._unbucketed.get(region, {}).items():
-            self.grad_snapshots[(region, name)] = (0, p.grad.detach().clone(), None)
+            t = p.grad if grads else p
+            out.append(Piece((name,), (tuple(p.shape),), 0, 1, self.ep if ep > 1 else 0, ep,
+                             t.detach().flatten().clone(), self.rank))
+        return out
 
 
 class _Named(nn.Module):
@@ -143,3 +174,7 @@ class _Named(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0

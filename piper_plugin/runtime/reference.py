@@ -19,6 +19,7 @@ from piper_plugin.ir.capture import Program
 from piper_plugin.ir.nodes import COLLECTIVES, Kind
 from piper_plugin.runtime import comm_ops
 from piper_plugin.runtime.compute import run_compute
+from piper_plugin.runtime.pieces import stitch
 from piper_plugin.runtime.rank_state import OptimizerFn, RankState
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.simulate import DeadlockError
@@ -115,47 +116,9 @@ class ReferenceExecutor:
 
     # -- inspection for parity tests ----------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by name, stitched from ZeRO shards and EP slices."""
-        pieces = {}
-        for state in self.states:
-            for (region, index), bucket in state.buckets.items():
-                flat = bucket.shard_data() if bucket.shard is not None else bucket.flat
-                pieces.setdefault(self._key(state, region, index), {})[bucket.index if bucket.shard is not None else 0] = (
-                    flat.detach().clone(), bucket)
-            for name, p in state.unbucketed().items():
-                pieces.setdefault(("raw", name, state.ep), {0: (p.detach().clone(), None)})
-        return self._stitch(pieces)
+        """Every parameter by name, stitched from ZeRO shards and EP slices of all ranks."""
+        return stitch([p for s in self.states for p in s.param_pieces()])
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Reduced gradients of the last step (recorded by UPDATE), stitched like parameters."""
-        pieces = {}
-        for state in self.states:
-            for key, (index, flat, bucket) in state.grad_snapshots.items():
-                region, b = key
-                if isinstance(b, str):
-                    pieces.setdefault(("raw", b, state.ep), {0: (flat, None)})
-                else:
-                    pieces.setdefault(self._key(state, region, b), {})[index] = (flat, bucket)
-        return self._stitch(pieces)
-
-    def _key(self, state: RankState, region: str, index: int):
-        sharded = region in self.plan.dag.meta.get("sharded", {})
-        return (region, index, state.ep if sharded else 0)
-
-    def _stitch(self, pieces) -> dict[str, torch.Tensor]:
-        by_name: dict[str, dict[int, torch.Tensor]] = {}
-        for key, parts in pieces.items():
-            if key[0] == "raw":
-                by_name.setdefault(key[1], {})[key[2]] = parts[0][0]
-                continue
-            bucket = next(iter(parts.values()))[1]
-            flat = torch.cat([parts[i][0] for i in sorted(parts)])
-            offset = 0
-            names = self.plan.dag.buckets[key[0]][key[1]].params
-            for name, p in zip(names, bucket.params):
-                by_name.setdefault(name, {})[key[2]] = flat[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
-        out = {}
-        for name, slices in by_name.items():
-            out[name.removeprefix("model.")] = torch.cat([slices[e] for e in sorted(slices)]) if len(slices) > 1 else slices[min(slices)]
-        return out
+        """Reduced gradients of the last step (recorded by UPDATE), stitched likewise."""
+        return stitch([p for s in self.states for ps in s.grad_pieces.values() for p in ps])

@@ -1,0 +1,105 @@
+"""torch.distributed backend: communicators from the plan's rank grid, one op per comm node.
+
+Every rank creates the same groups in the same order (``new_group`` is collective): one per
+P2P direction and replica pair (``p2p:a>b`` for the ranks sharing dp/ep coordinates) and one
+per (logical stream, axis, member set) of the collectives. A communicator therefore belongs to
+exactly one logical stream, so streams running on their own threads never share one.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from piper_plugin.ir.nodes import COLLECTIVES, Kind, Node
+from piper_plugin.runtime import comm_ops
+from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.value_specs import ValueSpec
+from piper_plugin.scheduler.plan import Plan
+
+__all__ = ["DistComm", "communicator_specs"]
+
+
+def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """(stream, ranks) of every communicator the plan needs, in one deterministic order."""
+    grid, dag = plan.grid, plan.dag
+    specs: set[tuple[str, tuple[int, ...]]] = set()
+    for node in dag.nodes.values():
+        if node.kind == Kind.SEND:
+            dst_pp = dag.meta["placement"][dag.nodes[node.peer].region]
+            for r in node.devices:
+                specs.add((node.stream, tuple(sorted((r, grid.peer(r, dst_pp))))))
+        elif node.kind in COLLECTIVES:
+            for group in grid.groups(node.axis, node.devices):
+                specs.add((node.stream, group))
+    return sorted(specs)
+
+
+class DistComm:
+    def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float):
+        self.plan, self.rank, self.specs = plan, rank, specs
+        self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        timeout = timedelta(seconds=timeout_s)
+        for stream, ranks in communicator_specs(plan):
+            group = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
+            if rank in ranks:
+                self.groups[(stream, ranks)] = group
+
+    def _pair(self, node: Node, peer_rank: int) -> dist.ProcessGroup:
+        return self.groups[(node.stream, tuple(sorted((self.rank, peer_rank))))]
+
+    def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
+        members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)
+        return members, self.groups[(node.stream, members)]
+
+    def run(self, state: RankState, node: Node) -> None:
+        dag, grid = self.plan.dag, self.plan.grid
+        if node.kind == Kind.SEND:
+            dst = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
+            group = self._pair(node, dst)
+            values = comm_ops.payload(state, node)
+            for name in sorted(values):
+                if isinstance(values[name], torch.Tensor):
+                    dist.send(values[name].contiguous(), dst=dst, group=group)
+            state.finished(node.key)
+        elif node.kind == Kind.RECV:
+            src = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
+            group = self._pair(node, src)
+            out = {}
+            for name in sorted(v for vs in dag.data_pred[node.key].values() for v in vs):
+                spec = self.specs[name.removeprefix("grad:")]
+                if not spec.is_tensor:
+                    out[name] = spec.constant
+                    continue
+                out[name] = spec.empty()
+                dist.recv(out[name], src=src, group=group)
+            comm_ops.absorb(state, node, out)
+        else:
+            members, group = self._group(node)
+            comm_ops.absorb(state, node, _collective(node, comm_ops.payload(state, node), len(members), group))
+
+
+def _collective(node: Node, x: torch.Tensor, n: int, group) -> torch.Tensor:
+    if node.kind == Kind.ALL_REDUCE:
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+    if node.kind == Kind.REDUCE_SCATTER:
+        out = torch.empty(x.numel() // n, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+    if node.kind == Kind.ALL_GATHER:
+        out = torch.empty(x.numel() * n, dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+    if comm_ops.is_dispatch(node):  # [E, C, D] -> [E/n, n*C, D]
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        e, c = x.shape[0] // n, x.shape[1]
+        return out.view(n, e, c, *x.shape[2:]).transpose(0, 1).reshape(e, n * c, *x.shape[2:])
+    e, c = x.shape[0], x.shape[1] // n  # combine: [E/n, n*C, D] -> [E, C, D]
+    send = x.view(e, n, c, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, group=group)
+    return out.reshape(n * e, c, *x.shape[2:])

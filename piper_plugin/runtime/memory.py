@@ -1,0 +1,87 @@
+"""Measured memory of one rank: what it keeps across steps and the peak of what comes and goes.
+
+Kept: parameters (full, or the ZeRO shard), gradients and optimizer state, counted from the
+tensors themselves. Transient: activations autograd saves for backward (counted through
+saved-tensor hooks, released when autograd drops them), values waiting in inboxes and
+gathered ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+__all__ = ["MemoryMeter"]
+
+
+class _Held:
+    """A saved activation; its finaliser returns the bytes when autograd lets it go."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class MemoryMeter:
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+        self._params: set[int] = set()
+        self._refs: dict[int, int] = {}
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = self.current
+
+    def ignore(self, tensors) -> None:
+        """Parameters are kept memory, not activations, even when autograd saves them."""
+        self._params = {id(t) for t in tensors}
+
+    def _drop(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            self._refs[ptr] -= 1
+            last = self._refs[ptr] == 0
+            if last:
+                del self._refs[ptr]
+        if last:
+            self.add(-nbytes)
+
+    def saved_tensor_hooks(self):
+        def pack(t: torch.Tensor):
+            if id(t) in self._params or t.device.type == "meta":
+                return t
+            held = _Held(t)
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            with self._lock:
+                count = self._refs.get(ptr, 0)
+                self._refs[ptr] = count + 1
+            if count == 0:
+                self.add(nbytes)
+            weakref.finalize(held, self._drop, ptr, nbytes)
+            return held
+
+        def unpack(obj):
+            return obj.tensor if isinstance(obj, _Held) else obj
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total

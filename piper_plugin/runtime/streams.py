@@ -1,0 +1,85 @@
+"""Logical streams on the CPU: one thread per stream, an event per task.
+
+A task waits only for its dependencies on *other* streams (same-stream order is the list
+order); torch ops and gloo release the GIL, so communication on one thread overlaps
+compute on another. The first failure aborts the step: every thread stops at its next
+wait and the caller gets the original exception with the rank and task named. Waits are
+bounded by ``timeout_s``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Callable
+
+from piper_plugin.scheduler.plan import RankPlan
+
+__all__ = ["StreamRunner", "TaskFailed"]
+
+
+class TaskFailed(RuntimeError):
+    """A task raised or a wait timed out; ``details`` holds the original traceback."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message + ("\n" + details if details else ""))
+        self.details = details
+
+
+class StreamRunner:
+    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], None], timeout_s: float):
+        self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
+        self.cross = {k: tuple(d for d in deps if not self._same_stream(k, d)) for k, deps in plan.deps.items()}
+        self.timeline: list[tuple[str, str, float, float]] = []
+
+    def _same_stream(self, a: str, b: str) -> bool:
+        return self._stream_of(a) == self._stream_of(b)
+
+    def _stream_of(self, key: str) -> str:
+        if not hasattr(self, "_streams"):
+            self._streams = {k: s for s, keys in self.plan.streams.items() for k in keys}
+        return self._streams[key]
+
+    def run_step(self) -> None:
+        done = {k: threading.Event() for k in self.plan.deps}
+        abort = threading.Event()
+        failure: list[TaskFailed] = []
+        deadline = time.monotonic() + self.timeout_s
+        timeline: list[tuple[str, str, float, float]] = []
+
+        def run(stream: str, keys: list[str]) -> None:
+            key = ""
+            try:
+                for key in keys:
+                    for dep in self.cross[key]:
+                        while not done[dep].wait(0.05):
+                            if abort.is_set():
+                                return
+                            if time.monotonic() > deadline:
+                                raise TimeoutError(f"waited more than {self.timeout_s:.0f}s for {dep}")
+                    start = time.perf_counter()
+                    self.execute(key)
+                    timeline.append((stream, key, start, time.perf_counter()))
+                    done[key].set()
+            except BaseException as exc:  # noqa: BLE001 - reported with its traceback
+                if not abort.is_set():
+                    failure.append(TaskFailed(f"rank {self.rank}: task {key} on stream {stream!r} failed: {exc!r}",
+                                              traceback.format_exc()))
+                abort.set()
+
+        streams = list(self.plan.streams.items())
+        threads = [threading.Thread(target=run, args=s, daemon=True, name=f"piper-{self.rank}-{s[0]}")
+                   for s in streams[1:]]
+        for t in threads:
+            t.start()
+        run(*streams[0])
+        for t in threads:
+            while t.is_alive() and not abort.is_set():
+                t.join(0.05)
+                if time.monotonic() > deadline + 1:
+                    abort.set()
+                    failure.append(TaskFailed(f"rank {self.rank}: stream {t.name} did not finish within "
+                                              f"{self.timeout_s:.0f}s"))
+        if failure:
+            raise failure[0]
+        self.timeline = timeline
