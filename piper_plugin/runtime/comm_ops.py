@@ -39,6 +39,8 @@ def payload(state: RankState, node: Node):
         p = tied_param(state, node)
         return p.grad if p.grad is not None else torch.zeros_like(p)
     bucket = state.buckets[(node.region, node.bucket)]
+    if node.kind == Kind.REDUCE_SCATTER and node.phase == "B":
+        return state.take(node.key)["grads"]  # handed over by this microbatch's backward
     if node.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER):
         return bucket.flat_grad(take=True)
     return bucket.shard_data()  # ALL_GATHER

@@ -105,6 +105,18 @@ _HANDLERS = {Kind.F: _forward, Kind.B: _backward, Kind.BI: _backward_input, Kind
              Kind.UPDATE: _update}
 
 
+def _hand_off_grads(state: RankState, node: Node) -> None:
+    """Per-microbatch reductions (ZeRO-2/3) get this microbatch's gradients by value, so a
+    reduce-scatter on another stream never races the next microbatch's backward."""
+    for succ in state.dag.data_succ[node.key]:
+        target = state.dag.nodes[succ]
+        if target.kind == Kind.REDUCE_SCATTER and target.phase == "B" and state.rank in target.devices:
+            bucket = state.buckets[(node.region, target.bucket)]
+            state.deliver_to(succ, "grads", bucket.flat_grad(take=True))
+
+
 def run_compute(state: RankState, node: Node) -> None:
     _HANDLERS[node.kind](state, node)
+    if node.kind in (Kind.B, Kind.BW):
+        _hand_off_grads(state, node)
     state.finished(node.key)

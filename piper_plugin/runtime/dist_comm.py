@@ -40,11 +40,17 @@ class DistComm:
     def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float):
         self.plan, self.rank, self.specs = plan, rank, specs
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        self.sends: list = []  # (work, tensor): a SEND never blocks its stream (buffered, as simulated)
         timeout = timedelta(seconds=timeout_s)
         for stream, ranks in communicator_specs(plan):
             group = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
             if rank in ranks:
                 self.groups[(stream, ranks)] = group
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
 
     def _pair(self, node: Node, peer_rank: int) -> dist.ProcessGroup:
         return self.groups[(node.stream, tuple(sorted((self.rank, peer_rank))))]
@@ -61,7 +67,8 @@ class DistComm:
             values = comm_ops.payload(state, node)
             for name in sorted(values):
                 if isinstance(values[name], torch.Tensor):
-                    dist.send(values[name].contiguous(), dst=dst, group=group)
+                    tensor = values[name].contiguous()
+                    self.sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
             state.finished(node.key)
         elif node.kind == Kind.RECV:
             src = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])

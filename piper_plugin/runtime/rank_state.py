@@ -44,12 +44,14 @@ class RankState:
         named = dict(_Named(model).named_parameters())
         self._names = {id(p): n for n, p in named.items()}
         self._shard_experts(named)
+        self.input_names = program.input_names
         self.loss_region = program.loss_region
         self.loss_value = program.loss_value
         self.scale = 1.0 / (plan.microbatches * grid.data_shards)
         self.buckets: dict[tuple[str, int], FlatBucket] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self._build_buckets(named, optimizer_fn)
+        self._drop_foreign(model, named)
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -95,6 +97,13 @@ class RankState:
                 tensors += bucket.optimizer_params()
             self.optimizers[region] = optimizer_fn(tensors)
 
+    def _drop_foreign(self, model: nn.Module, named: dict[str, nn.Parameter]) -> None:
+        """Keep only this rank's shard: parameters no local region reads become empty."""
+        local = {id(p) for c in self.chunks.values() for p in c.parameters()}
+        for p in named.values():
+            if id(p) not in local:
+                p.data = torch.empty(0, dtype=p.dtype)
+
     def set_batch(self, inputs: dict[str, torch.Tensor]) -> None:
         """This rank's data shard of the global batch, cut into microbatches."""
         grid, m = self.plan.grid, self.plan.microbatches
@@ -116,6 +125,11 @@ class RankState:
                         if v not in box:
                             self.meter.add(_nbytes(outputs[v]))
                         box[v] = outputs[v] if v not in box else box[v] + outputs[v]
+
+    def deliver_to(self, key: str, value: str, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.inbox.setdefault(key, {})[value] = tensor
+        self.meter.add(_nbytes(tensor))
 
     def take(self, key: str) -> dict[str, torch.Tensor]:
         with self._lock:

@@ -1,0 +1,58 @@
+"""A training job: what every launcher needs to compile a plan and run workers.
+
+The callables are the user's own: ``model_fn`` builds the model (called under a seed, so
+every rank initialises exactly as single-device training would), ``data_fn(seed)`` yields
+global batches ``(inputs..., target)``, ``schedule_fn`` applies directives, and
+``optimizer_fn`` / ``lr_scheduler_fn`` wrap any torch optimizer and LR scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.ir.capture import Program, capture
+from piper_plugin.scheduler.plan import Plan, build_plan
+from piper_plugin.scheduler.simulate import SimResult, simulate
+
+__all__ = ["Job", "compile_job"]
+
+
+@dataclass
+class Job:
+    model_fn: Callable[[], nn.Module]
+    loss_fn: Callable[..., torch.Tensor]
+    data_fn: Callable[[int], Iterator[tuple[torch.Tensor, ...]]]
+    schedule_fn: Callable[[Schedule], object]
+    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    steps: int = 10
+    seed: int = 0
+    timeout_s: float = 60.0
+    lr_scheduler_fn: Callable[[torch.optim.Optimizer], object] | None = None
+    capture_grads: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.ep
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return self.model_fn()
+
+
+def compile_job(job: Job) -> tuple[Program, Schedule, Plan, SimResult]:
+    """Capture on the meta device, apply the directives, schedule, and prove the plan finishes."""
+    with torch.device("meta"):
+        model = job.model_fn()
+    *inputs, target = next(iter(job.data_fn(job.seed)))
+    program = capture(model, job.loss_fn, tuple(inputs), target)
+    sch = Schedule(program, pp=job.pp, dp=job.dp, ep=job.ep)
+    job.schedule_fn(sch)
+    plan = build_plan(sch.dag, sch.grid)
+    return program, sch, plan, simulate(plan)

@@ -1,0 +1,124 @@
+"""Launch mode for tests and single machines: forked worker processes on gloo.
+
+The parent compiles once; children inherit the job and plan through fork (nothing is
+pickled), run the worker loop and stream metrics back. The first failure, death or stall of
+any rank stops the whole job within ``job.timeout_s``: all children are killed and the
+parent raises :class:`WorkerFailed` naming the rank with its original traceback.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from piper_plugin.runtime.job import Job
+from piper_plugin.runtime.streams import TaskFailed
+
+__all__ = ["WorkerFailed", "run_forked", "free_port"]
+
+
+class WorkerFailed(RuntimeError):
+    def __init__(self, rank: int | None, reason: str, details: str = ""):
+        self.rank, self.details = rank, details
+        who = "the job" if rank is None else f"rank {rank}"
+        super().__init__(f"{who} failed: {reason}" + (f"\n--- original traceback of rank {rank} ---\n{details}" if details else ""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pack(payload: Any) -> bytes:
+    """Tensors travel as bytes: shared-memory handles would die with the child process."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _child(rank: int, job: Job, program, plan, port: int, out: mp.Queue, body: Callable | None) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        from piper_plugin.runtime.worker import Worker
+
+        worker = Worker(rank, job, program, plan, init_method=f"tcp://127.0.0.1:{port}")
+        if body is not None:
+            out.put(("result", rank, _pack(body(worker))))
+        else:
+            for _ in range(job.steps):
+                out.put(("metrics", rank, worker.step()))
+            out.put(("result", rank, _pack(_final(worker))))
+        out.put(("done", rank, None))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it with the traceback
+        details = exc.details if isinstance(exc, TaskFailed) else traceback.format_exc()
+        out.put(("error", rank, (repr(exc).split("\n")[0], details)))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)
+
+
+def _final(worker) -> dict[str, Any]:
+    result: dict[str, Any] = {"timeline": worker.runner.timeline}
+    if worker.job.capture_grads:
+        result["grad_pieces"] = [p for ps in worker.state.grad_pieces.values() for p in ps]
+        result["param_pieces"] = worker.state.param_pieces()
+    return result
+
+
+def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | None = None,
+               body: Callable | None = None) -> dict[int, Any]:
+    """Run ``job.steps`` steps on ``job.world_size`` forked ranks; returns each rank's result."""
+    ctx = mp.get_context("fork")
+    out: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, job, program, plan, port, out, body), daemon=True)
+             for r in range(job.world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    finished: set[int] = set()
+    last_progress = time.monotonic()
+    try:
+        while len(finished) < len(procs):
+            try:
+                kind, rank, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in finished and not p.is_alive()]
+                if dead:
+                    time.sleep(0.3)  # let a dying rank's own error message arrive first
+                    if out.empty():
+                        raise WorkerFailed(dead[0], f"process died with exit code {procs[dead[0]].exitcode}")
+                    continue
+                if time.monotonic() - last_progress > job.timeout_s:
+                    stuck = [r for r in range(len(procs)) if r not in finished]
+                    raise WorkerFailed(stuck[0], f"no progress for {job.timeout_s:.0f}s (ranks {stuck} stalled)")
+                continue
+            last_progress = time.monotonic()
+            if kind == "error":
+                raise WorkerFailed(rank, *payload)
+            if kind == "metrics" and on_metrics:
+                on_metrics(payload)
+            elif kind == "result":
+                results[rank] = _unpack(payload)
+            elif kind == "done":
+                finished.add(rank)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+    return results

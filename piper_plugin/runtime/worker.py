@@ -1,0 +1,98 @@
+"""The per-rank executor: loads its shard, then runs its plan step after step.
+
+Every launch mode (forked processes, Ray actors, torchrun / a host framework) runs this same
+class. Plans arrive compiled; the worker checks nothing about recipes. Per step it feeds its
+data shard, runs its streams, waits for outstanding sends, steps its LR schedulers and reports
+the metrics: loss (the global mean, on last-stage ranks), step time, tokens/s and peak memory.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from piper_plugin.ir.capture import Program
+from piper_plugin.ir.nodes import COMPUTE
+from piper_plugin.runtime.compute import run_compute
+from piper_plugin.runtime.dist_comm import DistComm
+from piper_plugin.runtime.job import Job
+from piper_plugin.runtime.memory import tensor_bytes
+from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.streams import StreamRunner
+from piper_plugin.runtime.value_specs import probe_values
+from piper_plugin.scheduler.plan import Plan
+
+__all__ = ["Worker"]
+
+
+class Worker:
+    def __init__(self, rank: int, job: Job, program: Program, plan: Plan, init_method: str | None = None):
+        self.rank, self.job, self.plan = rank, job, plan
+        torch.set_num_threads(1)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=job.world_size,
+                                    timeout=timedelta(seconds=job.timeout_s))
+        model = job.build_model()
+        self.state = RankState(rank, plan, program, model, job.loss_fn, job.optimizer_fn)
+        self.state.snapshot_grads = job.capture_grads
+        self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
+        self.data = iter(job.data_fn(job.seed))
+        first = next(iter(job.data_fn(job.seed)))
+        self.tokens_per_step = first[0].numel()
+        micro = {name: t.chunk(plan.grid.data_shards)[0].chunk(plan.microbatches)[0]
+                 for name, t in zip(program.input_names, first)}
+        with torch.device("meta"):
+            meta_model = job.model_fn()
+        self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s)
+        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s)
+        self.loss_group = self._loss_group(program)
+        self.step_index = 0
+
+    def _loss_group(self, program: Program):
+        """All ranks holding the loss region, so every last-stage rank reports the global loss."""
+        ranks = self.plan.grid.slice(self.plan.dag.meta["placement"][program.loss_region])
+        group = dist.new_group(list(ranks))  # collective: every rank creates it
+        return group if self.rank in ranks else None
+
+    def _execute(self, key: str) -> None:
+        node = self.plan.dag.nodes[key]
+        if node.kind in COMPUTE:
+            run_compute(self.state, node)
+        else:
+            self.comm.run(self.state, node)
+
+    def step(self) -> dict[str, Any]:
+        batch = next(self.data)
+        self.state.set_batch(dict(zip(self.state.input_names, batch)))
+        self.state.meter.reset_peak()
+        start = time.perf_counter()
+        self.runner.run_step()
+        self.comm.wait_sends()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        elapsed = time.perf_counter() - start
+        metrics: dict[str, Any] = {"step": self.step_index, "rank": self.rank, "step_time_s": elapsed,
+                                   "tokens_per_s": self.tokens_per_step / elapsed,
+                                   "peak_memory_bytes": self.kept_bytes() + self.state.meter.peak}
+        if self.loss_group is not None:
+            loss = torch.stack(self.state.losses).sum().reshape(1)
+            dist.all_reduce(loss, group=self.loss_group)
+            metrics["loss"] = loss.item()
+        self.step_index += 1
+        return metrics
+
+    def kept_bytes(self) -> int:
+        """Parameters, gradients and optimizer state this rank keeps across steps."""
+        tensors = []
+        for bucket in self.state.buckets.values():
+            tensors += [bucket.flat] + ([bucket.shard, bucket.shard.grad] if bucket.shard is not None else [])
+            tensors += [p.grad for p in bucket.params]
+        for p in self.state.unbucketed().values():
+            tensors += [p, p.grad]
+        for optimizer in self.state.optimizers.values():
+            for per_param in optimizer.state.values():
+                tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return tensor_bytes(tensors)
