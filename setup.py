@@ -15,6 +15,7 @@ setup(
     description="Programmable distributed-training engine: annotations, directives, one training DAG",
     python_requires=">=3.10",
     packages=engine + adapters + recipes,
+    package_data={"piper_plugin.data": ["assets/*.json", "assets/*.jsonl"]},
     package_dir={"piper_plugin.adapters": "adapters", "piper_plugin.recipes": "recipes"},
     install_requires=[
         "torch==2.14.1",
