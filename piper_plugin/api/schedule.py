@@ -15,12 +15,13 @@ the same program to the same DAG (``Schedule.from_json``).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping, Sequence
 
 from piper_plugin.api.errors import DirectiveError
 from piper_plugin.api.filters import NODE_KEYS, parse_filter
 from piper_plugin.ir.capture import Program
-from piper_plugin.ir.graph import CycleError, DAG
+from piper_plugin.ir.graph import CycleError, DAG, gc_paused
 from piper_plugin.ir.nodes import Kind, parse_key
 from piper_plugin.ir.rank_grid import RankGrid
 from piper_plugin.ir.validate import ValidationError, validate
@@ -33,6 +34,9 @@ from piper_plugin.passes.split import split
 __all__ = ["Schedule", "Group"]
 
 Group = str | Sequence[str] | Mapping[str, Sequence[str]]  # filter | union | {"overlap": [...]}
+
+# The exact filter recipes use, ``stage=S,kind=K,mb=M``: answered from an index without parsing.
+_EXACT = re.compile(r"stage=(\d+),kind=([A-Za-z_]+),mb=(\d+)\Z")
 
 
 class Schedule:
@@ -64,9 +68,9 @@ class Schedule:
                                  f"regions carry the tags {', '.join(tags[:12])}")
         return hits
 
-    def _record(self, directive: str, **args: Any) -> None:
+    def _record(self, directive: str, _acyclic: bool = False, **args: Any) -> None:
         try:
-            validate(self.dag, self.grid)
+            validate(self.dag, self.grid, acyclic=_acyclic)
         except ValidationError as exc:
             target = repr(next(iter(args.values()), ""))
             raise DirectiveError(directive, target, str(exc)) from None
@@ -168,9 +172,13 @@ class Schedule:
             raise DirectiveError("split", str(microbatches),
                                  f"batch {self.dag.batch_size} is not divisible by {microbatches} microbatches "
                                  f"x {shards} data shards", "pick a microbatch count dividing batch / (dp*ep)")
-        self.dag = split(self.dag, microbatches, shards, split_backward)
-        self._index = None
-        self._record("split", microbatches=microbatches, split_backward=split_backward)
+        # split maps every edge of its output onto an edge (or, BI -> BW, a self-loop) of its
+        # input, so an acyclic input gives an acyclic output: check the small input instead.
+        acyclic = self.dag.is_acyclic()
+        with gc_paused():
+            self.dag = split(self.dag, microbatches, shards, split_backward)
+            self._index = None
+            self._record("split", _acyclic=acyclic, microbatches=microbatches, split_backward=split_backward)
         return self
 
     # -- ordering phase -------------------------------------------------------------------
@@ -178,6 +186,9 @@ class Schedule:
         """Keys of the nodes a filter or a printable key selects."""
         if text in self.dag.nodes:
             return [text]
+        exact = _EXACT.match(text) if isinstance(text, str) else None
+        if exact:  # what parse_filter + _lookup give for this form, without parsing
+            return list(self._compute_index().get((int(exact[1]), exact[2], int(exact[3])), []))
         try:
             flt = parse_filter(text)
         except ValueError as exc:
@@ -198,12 +209,15 @@ class Schedule:
         terms = dict(flt.terms)
         if flt.key_patterns or set(terms) != {"stage", "kind", "mb"} or any(c in "".join(terms.values()) for c in "*?["):
             return None
+        return list(self._compute_index().get((int(terms["stage"]), terms["kind"], int(terms["mb"])), []))
+
+    def _compute_index(self) -> dict[tuple[int, str, int | None], list[str]]:
         if self._index is None:
             self._index = {}
             for key, node in self.dag.nodes.items():
                 if node.is_compute:
                     self._index.setdefault((node.stage, node.kind.value, node.microbatch), []).append(key)
-        return list(self._index.get((int(terms["stage"]), terms["kind"], int(terms["mb"])), []))
+        return self._index
 
     def _group(self, directive: str, group: Group) -> tuple[list[str], bool]:
         overlap = isinstance(group, Mapping)
@@ -226,6 +240,10 @@ class Schedule:
 
     def order_per_rank(self, chains: Mapping[int | None, Sequence[Group]], *, _directive: str = "order_per_rank") -> "Schedule":
         """One chain per pipeline rank (checked to hold only that rank's nodes), applied at once."""
+        with gc_paused():
+            return self._order_per_rank(chains, _directive)
+
+    def _order_per_rank(self, chains: Mapping[int | None, Sequence[Group]], _directive: str) -> "Schedule":
         if "microbatches" not in self.dag.meta:
             raise DirectiveError(_directive, "", "the DAG is not split yet", "call split(microbatches=N) first")
         placement = self.dag.meta["placement"]
@@ -244,7 +262,8 @@ class Schedule:
                         added += order_pass.overlap_block(self.dag, keys)
                     resolved.append(keys)
                 added += order_pass.chain(self.dag, resolved)
-            self.dag.topological_order()
+            if not self.dag.is_acyclic():
+                self.dag.topological_order()  # raises CycleError naming a cycle
         except CycleError as exc:
             order_pass.roll_back(self.dag, added)
             shown = {r: list(g)[:3] for r, g in chains.items()}
@@ -255,7 +274,7 @@ class Schedule:
             raise
         chains_json = {("*" if r is None else str(r)): [g if isinstance(g, (str, dict)) else list(g) for g in gs]
                        for r, gs in chains.items()}
-        self._record(_directive, chains=chains_json)
+        self._record(_directive, _acyclic=True, chains=chains_json)
         return self
 
     def stream(self, nodes: str, name: str) -> "Schedule":

@@ -9,13 +9,34 @@ Invariants kept by every method here:
 """
 from __future__ import annotations
 
+import gc
 import heapq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from piper_plugin.ir.nodes import Kind, Node
 
-__all__ = ["DAG", "Region", "Bucket", "CycleError"]
+__all__ = ["DAG", "Region", "Bucket", "CycleError", "gc_paused"]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a pass builds or walks a large DAG.
+
+    Such passes allocate hundreds of thousands of small containers and no reference cycles
+    to reclaim, so collections triggered by the allocation count only re-scan every live
+    object (torch's included) again and again. Reference counting still frees memory; the
+    collector resumes (if it was on) when the block ends.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 class CycleError(ValueError):
@@ -73,8 +94,10 @@ class DAG:
     meta: dict[str, Any] = field(default_factory=dict)
 
     # -- construction -------------------------------------------------------------------
-    def add(self, node: Node) -> Node:
-        key = node.key
+    def add(self, node: Node, key: str | None = None) -> Node:
+        """Add ``node``; ``key``, if given, must be ``node.key`` (saves recomputing it)."""
+        if key is None:
+            key = node.key
         if key in self.nodes:
             raise ValueError(f"node {key} already exists")
         self.nodes[key] = node
@@ -97,8 +120,10 @@ class DAG:
             del table[key]
 
     def add_data(self, src: str, dst: str, values: Iterable[str] = ()) -> None:
-        merged = tuple(dict.fromkeys(self.data_succ[src].get(dst, ()) + tuple(values)))
-        self.data_succ[src][dst] = merged
+        succ = self.data_succ[src]
+        old = succ.get(dst)
+        merged = tuple(dict.fromkeys(tuple(values) if old is None else old + tuple(values)))
+        succ[dst] = merged
         self.data_pred[dst][src] = merged
 
     def remove_data(self, src: str, dst: str) -> tuple[str, ...]:
@@ -138,21 +163,58 @@ class DAG:
 
         Raises :class:`CycleError` naming one cycle if the DAG has one.
         """
-        rank = priority or {key: i for i, key in enumerate(self.nodes)}
-        indegree = {key: len(self.data_pred[key]) + len(self.temporal_pred[key]) for key in self.nodes}
-        heap = [(rank[key], key) for key, deg in indegree.items() if deg == 0]
-        heapq.heapify(heap)
+        if not priority:
+            return self.ranked_order(list(self.nodes))
+        # Ready nodes pop by (priority, key); ranking every node once by that pair gives the
+        # same order with plain integer heap entries.
+        return self.ranked_order(sorted(self.nodes, key=lambda k: (priority[k], k)))
+
+    def ranked_order(self, ranking: list[str]) -> list[str]:
+        """Kahn's order; among ready nodes the one earliest in ``ranking`` (every node once) goes first.
+
+        Raises :class:`CycleError` naming one cycle if the DAG has one.
+        """
+        data_succ, temporal_succ = self.data_succ, self.temporal_succ
+        data_pred, temporal_pred = self.data_pred, self.temporal_pred
+        index = {key: i for i, key in enumerate(ranking)}
+        indegree = {key: len(data_pred[key]) + len(temporal_pred[key]) for key in ranking}
+        heap = [i for i, key in enumerate(ranking) if not indegree[key]]  # ascending: a heap
+        push, pop = heapq.heappush, heapq.heappop
         order: list[str] = []
+        append = order.append
         while heap:
-            _, key = heapq.heappop(heap)
-            order.append(key)
-            for succ in self.succs(key):
-                indegree[succ] -= 1
-                if indegree[succ] == 0:
-                    heapq.heappush(heap, (rank[succ], succ))
+            key = ranking[pop(heap)]
+            append(key)
+            for succ in data_succ[key]:
+                left = indegree[succ] - 1
+                indegree[succ] = left
+                if not left:
+                    push(heap, index[succ])
+            for succ in temporal_succ[key]:
+                left = indegree[succ] - 1
+                indegree[succ] = left
+                if not left:
+                    push(heap, index[succ])
         if len(order) != len(self.nodes):
-            raise CycleError(self._find_cycle({k for k, d in indegree.items() if d > 0}))
+            raise CycleError(self._find_cycle({k for k in self.nodes if indegree[k] > 0}))
         return order
+
+    def is_acyclic(self) -> bool:
+        """Whether the DAG has no cycle (a linear pass, no ordering among ready nodes)."""
+        data_succ, temporal_succ = self.data_succ, self.temporal_succ
+        indegree = {key: len(self.data_pred[key]) + len(self.temporal_pred[key]) for key in self.nodes}
+        ready = [key for key, deg in indegree.items() if not deg]
+        seen = 0
+        while ready:
+            key = ready.pop()
+            seen += 1
+            for table in (data_succ, temporal_succ):
+                for succ in table[key]:
+                    left = indegree[succ] - 1
+                    indegree[succ] = left
+                    if not left:
+                        ready.append(succ)
+        return seen == len(self.nodes)
 
     def _find_cycle(self, candidates: set[str]) -> list[str]:
         """A cycle among ``candidates`` (nodes left with positive in-degree)."""

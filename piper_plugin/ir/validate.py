@@ -19,30 +19,55 @@ class ValidationError(ValueError):
     """The DAG breaks an invariant; the message names the node and the rule."""
 
 
-def validate(dag: DAG, grid: RankGrid) -> None:
-    try:
-        dag.topological_order()
-    except CycleError as exc:
-        raise ValidationError(f"the DAG has a {exc}") from None
+def validate(dag: DAG, grid: RankGrid, *, acyclic: bool = False) -> None:
+    """Raise :class:`ValidationError` if ``dag`` breaks an invariant.
+
+    ``acyclic=True`` skips the cycle check when the caller has just proven the DAG acyclic.
+    """
+    if not acyclic and not dag.is_acyclic():
+        try:
+            dag.topological_order()
+        except CycleError as exc:
+            raise ValidationError(f"the DAG has a {exc}") from None
+    needed = _inputs_from_other_regions(dag)
+    groups: dict[tuple[str, tuple[int, ...]], list[tuple[int, ...]]] = {}
     for key, node in dag.nodes.items():
-        if node.kind == Kind.F:
-            _check_inputs(dag, key, node.region)
-        elif node.kind in (Kind.SEND, Kind.RECV):
+        kind = node.kind
+        if kind == Kind.F:
+            _check_inputs(dag, key, needed[node.region])
+        elif kind in _P2P:
             _check_peer(dag, key)
-        elif node.kind in COLLECTIVES:
+        elif kind in COLLECTIVES:
             if not node.devices or node.axis is None:
                 raise ValidationError(f"collective {key} has no devices or no grid axis")
-            groups = grid.groups(node.axis, node.devices)
-            if sum(map(len, groups)) != len(node.devices):
-                raise ValidationError(f"collective {key}: groups {groups} do not cover {node.devices}")
+            cached = groups.get((node.axis, node.devices))
+            if cached is None:
+                cached = groups[(node.axis, node.devices)] = grid.groups(node.axis, node.devices)
+            if sum(map(len, cached)) != len(node.devices):
+                raise ValidationError(f"collective {key}: groups {cached} do not cover {node.devices}")
     if "microbatches" in dag.meta:
         _check_gradients(dag, grid)
 
 
-def _check_inputs(dag: DAG, key: str, region: str) -> None:
-    arriving = {v for values in dag.data_pred[key].values() for v in values}
-    produced_elsewhere = {v for r in dag.regions.values() if r.name != region for v in r.outputs}
-    missing = [v for v in dag.regions[region].inputs if v in produced_elsewhere and v not in arriving]
+_P2P = (Kind.SEND, Kind.RECV)
+
+
+def _inputs_from_other_regions(dag: DAG) -> dict[str, tuple[str, ...]]:
+    """Per region: its inputs that another region produces (each must arrive on a data edge)."""
+    producers: dict[str, set[str]] = {}
+    for r in dag.regions.values():
+        for v in r.outputs:
+            producers.setdefault(v, set()).add(r.name)
+    return {name: tuple(v for v in r.inputs if producers.get(v, set()) - {name})
+            for name, r in dag.regions.items()}
+
+
+def _check_inputs(dag: DAG, key: str, needed: tuple[str, ...]) -> None:
+    if not needed:
+        return
+    preds = dag.data_pred[key].values()
+    arriving = {v for values in preds for v in values}
+    missing = [v for v in needed if v not in arriving]
     if missing:
         raise ValidationError(f"{key} needs values {missing} but no data edge brings them")
 

@@ -261,15 +261,20 @@ def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def build_toy_lm(stages: int | None, layers: int | None = None) -> tuple[ToyLM, ToyLMConfig]:
-    """CLI builder for ``toy-lm``; ``layers`` overrides ``n_layers``."""
+def _config(layers: int | None, overrides: dict) -> ToyLMConfig:
     cfg = ToyLMConfig() if layers is None else replace(ToyLMConfig(), n_layers=layers)
+    return replace(cfg, **overrides)
+
+
+def build_toy_lm(stages: int | None, layers: int | None = None, **overrides) -> tuple[ToyLM, ToyLMConfig]:
+    """CLI builder for ``toy-lm``; ``layers`` overrides ``n_layers``, keywords other fields."""
+    cfg = _config(layers, overrides)
     return ToyLM(cfg, stages), cfg
 
 
-def build_toy_moe(stages: int | None, layers: int | None = None) -> tuple[ToyMoELM, ToyLMConfig]:
-    """CLI builder for ``toy-moe``; ``layers`` overrides ``n_layers``."""
-    cfg = ToyLMConfig() if layers is None else replace(ToyLMConfig(), n_layers=layers)
+def build_toy_moe(stages: int | None, layers: int | None = None, **overrides) -> tuple[ToyMoELM, ToyLMConfig]:
+    """CLI builder for ``toy-moe``; ``layers`` overrides ``n_layers``, keywords other fields."""
+    cfg = _config(layers, overrides)
     return ToyMoELM(cfg, stages), cfg
 
 

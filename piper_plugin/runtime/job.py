@@ -3,7 +3,8 @@
 The callables are the user's own: ``model_fn`` builds the model (called under a seed, so
 every rank initialises exactly as single-device training would), ``data_fn(seed)`` yields
 global batches ``(inputs..., target)``, ``schedule_fn`` applies directives, and
-``optimizer_fn`` / ``lr_scheduler_fn`` wrap any torch optimizer and LR scheduler.
+``optimizer_fn`` / ``lr_scheduler_fn`` wrap any torch optimizer and LR scheduler. ``schedule_fn``
+turns the captured program into a :class:`Schedule` (its grid sets the world size).
 """
 from __future__ import annotations
 
@@ -26,20 +27,13 @@ class Job:
     model_fn: Callable[[], nn.Module]
     loss_fn: Callable[..., torch.Tensor]
     data_fn: Callable[[int], Iterator[tuple[torch.Tensor, ...]]]
-    schedule_fn: Callable[[Schedule], object]
+    schedule_fn: Callable[[Program], Schedule]
     optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
     steps: int = 10
     seed: int = 0
     timeout_s: float = 60.0
     lr_scheduler_fn: Callable[[torch.optim.Optimizer], object] | None = None
     capture_grads: bool = False
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.ep
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)
@@ -52,7 +46,6 @@ def compile_job(job: Job) -> tuple[Program, Schedule, Plan, SimResult]:
         model = job.model_fn()
     *inputs, target = next(iter(job.data_fn(job.seed)))
     program = capture(model, job.loss_fn, tuple(inputs), target)
-    sch = Schedule(program, pp=job.pp, dp=job.dp, ep=job.ep)
-    job.schedule_fn(sch)
+    sch = job.schedule_fn(program)
     plan = build_plan(sch.dag, sch.grid)
     return program, sch, plan, simulate(plan)

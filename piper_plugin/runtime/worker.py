@@ -33,7 +33,7 @@ class Worker:
         self.rank, self.job, self.plan = rank, job, plan
         torch.set_num_threads(1)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=job.world_size,
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=plan.grid.world_size,
                                     timeout=timedelta(seconds=job.timeout_s))
         model = job.build_model()
         self.state = RankState(rank, plan, program, model, job.loss_fn, job.optimizer_fn)

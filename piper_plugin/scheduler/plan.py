@@ -13,11 +13,12 @@ the plan finishes before anything runs.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from piper_plugin.ir.graph import DAG
+from piper_plugin.ir.graph import DAG, gc_paused
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.ir.rank_grid import RankGrid
 
@@ -71,10 +72,15 @@ class Plan:
 
 def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
     """Chain per-microbatch ALL_GATHERs after the compute task preceding their consumer."""
+    nodes = dag.nodes
+    gathers = [key for key, node in nodes.items()
+               if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B") and not dag.temporal_pred[key]]
+    if not gathers:
+        return False
     last_compute: dict[int, str] = {}
     previous: dict[str, str] = {}
     for key in order:
-        node = dag.nodes[key]
+        node = nodes[key]
         if node.is_compute and node.devices:
             lead = node.devices[0]
             if lead in last_compute:
@@ -82,70 +88,120 @@ def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
             last_compute[lead] = key
     position = {key: i for i, key in enumerate(order)}
     changed = False
-    for key, node in dag.nodes.items():
-        if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B") and not dag.temporal_pred[key]:
-            consumers = [s for s in dag.data_succ[key] if dag.nodes[s].is_compute]
-            before = previous.get(min(consumers, key=position.__getitem__))
-            while before is not None and (before in dag.temporal_succ[key] or before in dag.data_succ[key]):
-                before = previous.get(before)  # already after the gather (an overlap block): look earlier
-            if before is not None:
-                dag.add_temporal(before, key)
-                changed = True
+    for key in gathers:
+        consumers = [s for s in dag.data_succ[key] if nodes[s].is_compute]
+        before = previous.get(min(consumers, key=position.__getitem__))
+        while before is not None and (before in dag.temporal_succ[key] or before in dag.data_succ[key]):
+            before = previous.get(before)  # already after the gather (an overlap block): look earlier
+        if before is not None:
+            dag.add_temporal(before, key)
+            changed = True
     return changed
 
 
 def _align_p2p(dag: DAG, order: list[str]) -> None:
     by_direction: dict[str, list[str]] = {}
+    nodes = dag.nodes
     for key in order:
-        node = dag.nodes[key]
+        node = nodes[key]
         if node.kind == Kind.SEND:
             by_direction.setdefault(node.stream, []).append(key)
     for sends in by_direction.values():
         for a, b in zip(sends, sends[1:]):
             dag.add_temporal(a, b)
-            ra, rb = dag.nodes[a].peer, dag.nodes[b].peer
+            ra, rb = nodes[a].peer, nodes[b].peer
             dag.add_temporal(ra, rb)
 
 
-def _asap_priority(dag: DAG) -> dict[str, tuple[float, int]]:
-    """Earliest start with unit compute and free comm: orders comm as its producers run."""
-    order = dag.topological_order()
-    start: dict[str, float] = {}
-    for key in order:
-        t = 0.0
-        for p in dag.preds(key):
-            t = max(t, start[p] + (1.0 if dag.nodes[p].is_compute else 0.0))
-        start[key] = t
-    index = {key: i for i, key in enumerate(dag.nodes)}
-    return {key: (start[key], index[key]) for key in dag.nodes}
+def _asap_order(dag: DAG) -> list[str]:
+    """Topological order by earliest start (unit compute, free comm), ties by insertion order.
+
+    Orders comm as its producers run. A node's earliest start is final once its last
+    predecessor is ordered, so one Kahn pass whose heap holds (start, insertion index) of the
+    ready nodes gives the order of ranking every node by that pair. Raises CycleError if the
+    DAG has a cycle.
+    """
+    nodes, data_succ, temporal_succ = dag.nodes, dag.data_succ, dag.temporal_succ
+    data_pred, temporal_pred = dag.data_pred, dag.temporal_pred
+    index: dict[str, int] = {}
+    indegree: dict[str, int] = {}
+    heap: list[tuple[float, int]] = []
+    for i, key in enumerate(nodes):
+        index[key] = i
+        deg = indegree[key] = len(data_pred[key]) + len(temporal_pred[key])
+        if not deg:
+            heap.append((0.0, i))  # ascending: a heap
+    keys = list(nodes)
+    start = dict.fromkeys(nodes, 0.0)
+    push, pop = heapq.heappush, heapq.heappop
+    order: list[str] = []
+    append = order.append
+    while heap:
+        t, i = pop(heap)
+        key = keys[i]
+        append(key)
+        done = t + 1.0 if nodes[key].is_compute else t
+        for table in (data_succ, temporal_succ):
+            for succ in table[key]:
+                if start[succ] < done:
+                    start[succ] = done
+                left = indegree[succ] - 1
+                indegree[succ] = left
+                if not left:
+                    push(heap, (start[succ], index[succ]))
+    if len(order) != len(nodes):
+        dag.topological_order()  # raises CycleError naming a cycle
+    return order
 
 
 def build_plan(dag: DAG, grid: RankGrid) -> Plan:
     """Compile a split DAG into per-rank plans (the DAG gains scheduler temporal edges)."""
+    with gc_paused():
+        return _build_plan(dag, grid)
+
+
+def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
     if "microbatches" not in dag.meta:
         raise PlanError("the schedule is not split: call split(microbatches=N) before compiling")
     dag = dag.copy()
-    order = dag.topological_order(_asap_priority(dag))
+    order = _asap_order(dag)
     if _gather_prefetch(dag, order):
-        order = dag.topological_order(_asap_priority(dag))
+        order = _asap_order(dag)
     _align_p2p(dag, order)
     try:
-        order = dag.topological_order(_asap_priority(dag))
+        order = _asap_order(dag)
     except ValueError as exc:
         raise PlanError(f"P2P alignment is impossible: a receiver needs messages in another order "
                         f"than its sender sends them ({exc})") from None
+    nodes, data_pred, temporal_pred = dag.nodes, dag.data_pred, dag.temporal_pred
+    device_sets: dict[tuple[int, ...], frozenset[int]] = {}
+
+    def device_set(devices: tuple[int, ...]) -> frozenset[int]:
+        got = device_sets.get(devices)
+        if got is None:
+            got = device_sets[devices] = frozenset(devices)
+        return got
+
     for key in order:
-        for pred in dag.temporal_pred[key]:
-            if not set(dag.nodes[pred].devices) & set(dag.nodes[key].devices):
-                raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
-                                f"only data (comm) edges may cross ranks")
+        preds = temporal_pred[key]
+        if preds:
+            devices = device_set(nodes[key].devices)
+            for pred in preds:
+                if devices.isdisjoint(nodes[pred].devices):
+                    raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
+                                    f"only data (comm) edges may cross ranks")
     ranks = [RankPlan(r) for r in range(grid.world_size)]
     for key in order:
-        node = dag.nodes[key]
+        node = nodes[key]
         if not node.devices:
             raise PlanError(f"node {key} has no devices: place its region")
+        preds = [(p, device_set(nodes[p].devices)) for p in data_pred[key]]
+        preds += [(p, device_set(nodes[p].devices)) for p in temporal_pred[key]]
         for r in node.devices:
             rp = ranks[r]
-            rp.streams.setdefault(node.stream, []).append(key)
-            rp.deps[key] = tuple(p for p in dag.preds(key) if r in dag.nodes[p].devices)
+            stream = rp.streams.get(node.stream)
+            if stream is None:
+                stream = rp.streams[node.stream] = []
+            stream.append(key)
+            rp.deps[key] = tuple(p for p, devices in preds if r in devices)
     return Plan(grid=grid, dag=dag, order=order, ranks=ranks)

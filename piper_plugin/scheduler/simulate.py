@@ -13,8 +13,10 @@ reduce-scatter and received buffers, each held until its last local consumer fin
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field
 
+from piper_plugin.ir.graph import gc_paused
 from piper_plugin.ir.nodes import COLLECTIVES, Kind
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
@@ -77,60 +79,96 @@ def static_memory(plan: Plan) -> list[dict[str, int]]:
 
 
 def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
+    with gc_paused():
+        return _simulate(plan, cost)
+
+
+def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
     cost = cost or CostModel()
     dag, grid = plan.dag, plan.grid
+    nodes = dag.nodes
     world = grid.world_size
     shards = plan.microbatches * grid.data_shards
     heap: list[tuple[float, int, int, str]] = []
-    seq = 0
-    pos = {(r, s): 0 for r in range(world) for s in plan.ranks[r].streams}
-    left = {(r, k): len(d) for r in range(world) for k, d in plan.ranks[r].deps.items()}
-    users: dict[tuple[int, str], list[str]] = {}
+    counter = itertools.count(1)
+    heappush, heappop = heapq.heappush, heapq.heappop
+    # Per rank: stream -> its tasks, position of its head, when it is free; task -> local
+    # deps left, local users, finish time; tasks already handed to the event heap.
+    streams = [rp.streams for rp in plan.ranks]
+    pos = [dict.fromkeys(rp.streams, 0) for rp in plan.ranks]
+    stream_free = [dict.fromkeys(rp.streams, 0.0) for rp in plan.ranks]
+    deps = [rp.deps for rp in plan.ranks]
+    left = [{k: len(d) for k, d in rp.deps.items()} for rp in plan.ranks]
+    users: list[dict[str, list[str]]] = [{} for _ in range(world)]
     for r in range(world):
-        for k, deps in plan.ranks[r].deps.items():
-            for d in deps:
-                users.setdefault((r, d), []).append(k)
-    end: dict[tuple[int, str], float] = {}
-    stream_free = {key: 0.0 for key in pos}
+        users_r = users[r]
+        for k, ds in plan.ranks[r].deps.items():
+            for d in ds:
+                if d in users_r:
+                    users_r[d].append(k)
+                else:
+                    users_r[d] = [k]
+    end: list[dict[str, float]] = [{} for _ in range(world)]
+    queued: list[set[str]] = [set() for _ in range(world)]
     compute_free = [0.0] * world
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
-    queued: set[tuple[int, str]] = set()
     timeline = []
     memory = _Memory(plan, shards)
+    placement = dag.meta.get("placement", {})
+    group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
+    peer_rank: dict[tuple[int, str], int] = {}
 
-    def push(t: float, r: int, key: str) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, r, key))
+    def group(node, r: int) -> tuple[int, ...]:
+        """The group of ``node``'s collective that holds rank ``r``."""
+        by_rank = group_of.get((node.axis, node.devices))
+        if by_rank is None:
+            by_rank = group_of[(node.axis, node.devices)] = {}
+            for g in grid.groups(node.axis, node.devices):
+                for member in g:
+                    by_rank.setdefault(member, g)
+        return by_rank[r]
+
+    def peer_of(r: int, node) -> int:
+        """The rank on the other side of a SEND / RECV ``node`` on rank ``r``."""
+        got = peer_rank.get((r, node.peer))
+        if got is None:
+            got = peer_rank[(r, node.peer)] = grid.peer(r, placement[nodes[node.peer].region])
+        return got
 
     def try_head(r: int, stream: str) -> None:
-        keys = plan.ranks[r].streams[stream]
-        i = pos[(r, stream)]
+        keys = streams[r][stream]
+        i = pos[r][stream]
         if i >= len(keys):
             return
         key = keys[i]
-        if left[(r, key)] or (r, key) in queued:
+        if left[r][key] or key in queued[r]:
             return
-        node = dag.nodes[key]
-        t = max([stream_free[(r, stream)]] + [end[(r, d)] for d in plan.ranks[r].deps[key]])
-        if node.kind == Kind.RECV:
-            src = grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
-            if (src, node.peer) not in end:
+        node = nodes[key]
+        t = stream_free[r][stream]
+        end_r = end[r]
+        for d in deps[r][key]:
+            if end_r[d] > t:
+                t = end_r[d]
+        kind = node.kind
+        if kind == Kind.RECV:
+            sent = end[peer_of(r, node)].get(node.peer)
+            if sent is None:
                 return
-            t = max(t, end[(src, node.peer)])
-        if node.kind in COLLECTIVES:
-            group = next(g for g in grid.groups(node.axis, node.devices) if r in g)
-            got = arrivals.setdefault((key, group), {})
+            if sent > t:
+                t = sent
+        elif kind in COLLECTIVES:
+            members = group(node, r)
+            got = arrivals.setdefault((key, members), {})
             got[r] = t
-            queued.add((r, key))
-            if len(got) == len(group):
+            queued[r].add(key)
+            if len(got) == len(members):
                 start = max(got.values())
-                for member in group:
-                    push(start, member, key)
+                for member in members:
+                    heappush(heap, (start, next(counter), member, key))
             return
-        queued.add((r, key))
-        push(t, r, key)
+        queued[r].add(key)
+        heappush(heap, (t, next(counter), r, key))
 
     for r in range(world):
         for s in plan.ranks[r].streams:
@@ -138,44 +176,46 @@ def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
     done = 0
     total = sum(len(rp.deps) for rp in plan.ranks)
     while heap:
-        t, _, r, key = heapq.heappop(heap)
-        node = dag.nodes[key]
+        t, _, r, key = heappop(heap)
+        node = nodes[key]
         if node.is_compute:
-            start = max(t, compute_free[r])
+            start = t if t >= compute_free[r] else compute_free[r]
             if start > t:
-                push(start, r, key)
+                heappush(heap, (start, next(counter), r, key))
                 continue
             duration = cost.compute(dag, node)
             compute_free[r] = start + duration
             busy[r] += duration if node.kind != Kind.UPDATE else 0.0
         else:
             start = t
-            group = len(next(g for g in grid.groups(node.axis, node.devices) if r in g)) if node.axis else 2
-            duration = 0.0 if node.kind == Kind.RECV else cost.comm(node, group)
+            size = len(group(node, r)) if node.axis else 2
+            duration = 0.0 if node.kind == Kind.RECV else cost.comm(node, size)
         finish = start + duration
-        end[(r, key)] = finish
-        timeline.append((r, node.stream, key, start, finish))
+        stream = node.stream
+        end[r][key] = finish
+        timeline.append((r, stream, key, start, finish))
         memory.on_task(r, key, start, finish)
-        stream_free[(r, node.stream)] = finish
-        pos[(r, node.stream)] += 1
+        stream_free[r][stream] = finish
+        pos[r][stream] += 1
         done += 1
-        touched = {node.stream}
-        for u in users.get((r, key), ()):
-            left[(r, u)] -= 1
-            touched.add(dag.nodes[u].stream)
+        touched = {stream}
+        left_r = left[r]
+        for u in users[r].get(key, ()):
+            left_r[u] -= 1
+            touched.add(nodes[u].stream)
         for s in touched:
             try_head(r, s)
         if node.kind == Kind.SEND:
-            dst = grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
-            try_head(dst, dag.nodes[node.peer].stream)
+            try_head(peer_of(r, node), nodes[node.peer].stream)
     if done != total:
         heads = []
-        for (r, s), i in sorted(pos.items()):
-            keys = plan.ranks[r].streams[s]
+        for r, s in sorted((r, s) for r in range(world) for s in pos[r]):
+            keys = streams[r][s]
+            i = pos[r][s]
             if i < len(keys):
                 heads.append(f"rank {r} {s}: {keys[i]}")
         raise DeadlockError("plan deadlocks; blocked stream heads: " + "; ".join(heads[:16]))
-    step = max(end.values(), default=0.0)
+    step = max((f for end_r in end for f in end_r.values()), default=0.0)
     peaks = memory.peaks()
     static = static_memory(plan)
     return SimResult(step_time=step, busy=busy, timeline=timeline, static_bytes=static,

@@ -50,6 +50,7 @@ def _unpack(data: bytes) -> Any:
 
 def _child(rank: int, job: Job, program, plan, port: int, out: mp.Queue, body: Callable | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local ranks talk over loopback only
     try:
         from piper_plugin.runtime.worker import Worker
 
@@ -80,12 +81,12 @@ def _final(worker) -> dict[str, Any]:
 
 def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | None = None,
                body: Callable | None = None) -> dict[int, Any]:
-    """Run ``job.steps`` steps on ``job.world_size`` forked ranks; returns each rank's result."""
+    """Run ``job.steps`` steps on every rank of the plan, forked; returns each rank's result."""
     ctx = mp.get_context("fork")
     out: mp.Queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, job, program, plan, port, out, body), daemon=True)
-             for r in range(job.world_size)]
+             for r in range(plan.grid.world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

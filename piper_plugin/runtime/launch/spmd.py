@@ -1,0 +1,48 @@
+"""Launch mode SPMD: inside processes someone else started (torchrun, a host framework).
+
+Every rank compiles the same plan from the same job; before step 1 the ranks compare plan
+hashes, so a rank that compiled something else (other code, other flags) stops the job with
+both hashes named instead of deadlocking later.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from piper_plugin.runtime.job import Job, compile_job
+
+__all__ = ["run_spmd", "PlanMismatch", "check_plan_hash"]
+
+
+class PlanMismatch(RuntimeError):
+    pass
+
+
+def check_plan_hash(plan) -> None:
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.hash())
+    if len(set(hashes)) != 1:
+        raise PlanMismatch(f"ranks compiled different plans (hash per rank: {hashes}); run the same code "
+                           f"and flags on every rank")
+    if plan.grid.world_size != dist.get_world_size():
+        raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep) but the job has "
+                           f"{dist.get_world_size()}; set --nproc_per_node accordingly")
+
+
+def run_spmd(job: Job, *, on_metrics: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Compile here, check the plan hash across ranks, then train ``job.steps`` steps."""
+    from piper_plugin.runtime.launch.processes import _final
+    from piper_plugin.runtime.worker import Worker
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=job.timeout_s))
+    program, _, plan, _ = compile_job(job)
+    check_plan_hash(plan)
+    worker = Worker(dist.get_rank(), job, program, plan)
+    for _ in range(job.steps):
+        metrics = worker.step()
+        if on_metrics:
+            on_metrics(metrics)
+    return _final(worker)
