@@ -60,3 +60,54 @@ def check_parity(model, loss_fn, batch: tuple, schedule: Callable[[Schedule], No
         assert err < TOL, f"parameter {name} after {steps} steps differs by {err:.2e}"
         worst["param"] = max(worst["param"], err)
     return worst
+
+
+def lm_data(cfg, batch: int):
+    """``data_fn`` for a Job: the same seeded random LM batches on every rank."""
+    from piper_plugin.models import lm_batch
+
+    def data_fn(seed: int):
+        generator = torch.Generator().manual_seed(seed + 1)
+        while True:
+            yield lm_batch(cfg, batch, generator)
+
+    return data_fn
+
+
+def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int = 3) -> list[dict]:
+    """Train on forked gloo ranks and compare with one device: every step's loss, and every
+    rank's gradient and parameter pieces after the last step."""
+    from piper_plugin.models import lm_loss
+    from piper_plugin.runtime.job import Job, compile_job
+    from piper_plugin.runtime.launch.processes import run_forked
+    from piper_plugin.runtime.pieces import expected_flat
+
+    job = Job(model_fn, lm_loss, lm_data(cfg, batch), schedule_fn, adamw, steps=steps, capture_grads=True,
+              timeout_s=60)
+    program, _, plan, _ = compile_job(job)
+    metrics: list[dict] = []
+    per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
+    torch.manual_seed(job.seed)
+    reference = model_fn()
+    optimizer = adamw(list(reference.parameters()))
+    data = job.data_fn(job.seed)
+    for step in range(steps):
+        tokens, target = next(data)
+        loss = lm_loss(reference(tokens), target)
+        loss.backward()
+        losses = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
+        assert losses, f"no last-stage rank reported a loss for step {step}"
+        for got in losses:
+            assert abs(got - loss.item()) / loss.item() < TOL, f"step {step}: loss {got} vs {loss.item()}"
+        grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    for rank, result in per_rank.items():
+        for piece in result["grad_pieces"]:
+            err = rel(piece.flat, expected_flat(piece, grads))
+            assert err < TOL, f"rank {rank}: gradient of {piece.names[0]}... differs by {err:.2e}"
+        for piece in result["param_pieces"]:
+            err = rel(piece.flat, expected_flat(piece, params))
+            assert err < TOL, f"rank {rank}: parameter {piece.names[0]}... differs by {err:.2e}"
+    return metrics

@@ -127,8 +127,13 @@ def test_stream_matches_nothing(lm):
     _fails(lambda: _placed(lm).split(2).stream("kind=ALL_REDUCE", "dp_comm"), "stream('kind=ALL_REDUCE')", "matches no node")
 
 
-def test_stream_mixing_p2p_and_compute(lm):
-    _fails(lambda: _placed(lm).split(2).stream("mb=0", "mixed"), "mixes P2P")
+def test_stream_moves_a_send_with_its_receive(lm):
+    sch = _placed(lm).split(2).stream("kind=SEND", "wire")
+    assert {n.stream for n in sch.dag if n.kind.value in ("SEND", "RECV")} == {"wire"}
+
+
+def test_stream_name_is_checked(lm):
+    _fails(lambda: _placed(lm).split(2).stream("kind=F", ""), "stream('kind=F')", "stream name '' is invalid")
 
 
 def test_shard_without_ep(moe):

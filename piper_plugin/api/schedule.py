@@ -278,19 +278,22 @@ class Schedule:
         return self
 
     def stream(self, nodes: str, name: str) -> "Schedule":
-        """Put the selected nodes on logical stream ``name`` (a communicator keeps one stream)."""
+        """Put the selected nodes on logical stream ``name``.
+
+        A SEND and its RECV always share a stream (their communicator belongs to it), so
+        selecting one moves its peer too.
+        """
         if not isinstance(name, str) or not name or ":" in name and not name.startswith("p2p:"):
             raise DirectiveError("stream", repr(nodes), f"stream name {name!r} is invalid",
                                  "use a plain name such as 'dp_comm'")
         keys = self.nodes(nodes, "stream")
         if not keys:
             raise DirectiveError("stream", repr(nodes), "the filter matches no node")
-        p2p = [k for k in keys if self.dag.nodes[k].kind in (Kind.SEND, Kind.RECV)]
-        if p2p and len(p2p) != len(keys):
-            raise DirectiveError("stream", repr(nodes), "mixes P2P and other nodes",
-                                 "give SEND/RECV their own streams (one per direction)")
         for k in keys:
-            self.dag.nodes[k].stream = name
+            node = self.dag.nodes[k]
+            node.stream = name
+            if node.peer is not None:
+                self.dag.nodes[node.peer].stream = name
         self._record("stream", nodes=nodes, name=name)
         return self
 

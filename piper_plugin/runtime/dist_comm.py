@@ -100,13 +100,14 @@ def _collective(node: Node, x: torch.Tensor, n: int, group) -> torch.Tensor:
         out = torch.empty(x.numel() * n, dtype=x.dtype)
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
+    x = x.contiguous()  # gradients from autograd.grad may come permuted
     if comm_ops.is_dispatch(node):  # [E, C, D] -> [E/n, n*C, D]
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        dist.all_to_all_single(out, x, group=group)
         e, c = x.shape[0] // n, x.shape[1]
         return out.view(n, e, c, *x.shape[2:]).transpose(0, 1).reshape(e, n * c, *x.shape[2:])
     e, c = x.shape[0], x.shape[1] // n  # combine: [E/n, n*C, D] -> [E, C, D]
     send = x.view(e, n, c, *x.shape[2:]).transpose(0, 1).contiguous()
-    out = torch.empty_like(send)
+    out = torch.empty(send.shape, dtype=send.dtype)
     dist.all_to_all_single(out, send, group=group)
     return out.reshape(n * e, c, *x.shape[2:])

@@ -100,12 +100,15 @@ def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
 
 
 def _align_p2p(dag: DAG, order: list[str]) -> None:
-    by_direction: dict[str, list[str]] = {}
+    """One communicator per (stream, direction): its SENDs and RECVs are chained in one order."""
+    by_direction: dict[tuple[str, int, int], list[str]] = {}
     nodes = dag.nodes
+    placement = dag.meta["placement"]
     for key in order:
         node = nodes[key]
         if node.kind == Kind.SEND:
-            by_direction.setdefault(node.stream, []).append(key)
+            direction = (node.stream, placement[node.region], placement[nodes[node.peer].region])
+            by_direction.setdefault(direction, []).append(key)
     for sends in by_direction.values():
         for a, b in zip(sends, sends[1:]):
             dag.add_temporal(a, b)
