@@ -27,8 +27,10 @@ class TaskFailed(RuntimeError):
 
 
 class StreamRunner:
-    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], None], timeout_s: float):
+    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], None], timeout_s: float,
+                 describe: Callable[[str], str] = lambda key: ""):
         self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
+        self.describe = describe
         self.cross = {k: tuple(d for d in deps if not self._same_stream(k, d)) for k, deps in plan.deps.items()}
         self.timeline: list[tuple[str, str, float, float]] = []
 
@@ -46,40 +48,47 @@ class StreamRunner:
         failure: list[TaskFailed] = []
         deadline = time.monotonic() + self.timeout_s
         timeline: list[tuple[str, str, float, float]] = []
+        heads: dict[str, str] = {}  # what each stream is doing, for timeout reports
+
+        def report() -> str:
+            return "; ".join(f"{s}: {h}" for s, h in sorted(heads.items()))
 
         def run(stream: str, keys: list[str]) -> None:
             key = ""
             try:
                 for key in keys:
                     for dep in self.cross[key]:
+                        heads[stream] = f"{key} waits for {dep}{self.describe(dep)}"
                         while not done[dep].wait(0.05):
                             if abort.is_set():
                                 return
                             if time.monotonic() > deadline:
-                                raise TimeoutError(f"waited more than {self.timeout_s:.0f}s for {dep}")
+                                raise TimeoutError(f"waited more than {self.timeout_s:.0f}s for {dep}"
+                                                   f"{self.describe(dep)}; streams: {report()}")
+                    detail = self.describe(key)  # comm names its peers; compute names nobody
+                    heads[stream] = f"in {key}{detail}" if detail else f"computing {key}"
                     start = time.perf_counter()
                     self.execute(key)
                     timeline.append((stream, key, start, time.perf_counter()))
                     done[key].set()
+                heads[stream] = "finished"
             except BaseException as exc:  # noqa: BLE001 - reported with its traceback
                 if not abort.is_set():
-                    failure.append(TaskFailed(f"rank {self.rank}: task {key} on stream {stream!r} failed: {exc!r}",
+                    failure.append(TaskFailed(f"rank {self.rank}: task {key}{self.describe(key)} on stream {stream!r} "
+                                              f"failed: {exc!r}",
                                               traceback.format_exc()))
                 abort.set()
 
-        streams = list(self.plan.streams.items())
-        threads = [threading.Thread(target=run, args=s, daemon=True, name=f"piper-{self.rank}-{s[0]}")
-                   for s in streams[1:]]
+        threads = [threading.Thread(target=run, args=item, daemon=True, name=f"piper-{self.rank}-{item[0]}")
+                   for item in self.plan.streams.items()]
         for t in threads:
             t.start()
-        run(*streams[0])
-        for t in threads:
-            while t.is_alive() and not abort.is_set():
-                t.join(0.05)
-                if time.monotonic() > deadline + 1:
-                    abort.set()
-                    failure.append(TaskFailed(f"rank {self.rank}: stream {t.name} did not finish within "
-                                              f"{self.timeout_s:.0f}s"))
+        # The caller only watches: a thread stuck in a collective cannot hide another's failure.
+        while any(t.is_alive() for t in threads) and not abort.is_set():
+            threads[0].join(0.02) if threads[0].is_alive() else next(t for t in threads if t.is_alive()).join(0.02)
+            if time.monotonic() > deadline + 1 and not abort.is_set():
+                abort.set()
+                failure.append(TaskFailed(f"rank {self.rank}: step did not finish within {self.timeout_s:.0f}s"))
         if failure:
             raise failure[0]
         self.timeline = timeline

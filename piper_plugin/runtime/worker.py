@@ -47,7 +47,7 @@ class Worker:
         with torch.device("meta"):
             meta_model = job.model_fn()
         self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s)
-        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s)
+        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe)
         self.loss_group = self._loss_group(program)
         self.step_index = 0
 
@@ -56,6 +56,17 @@ class Worker:
         ranks = self.plan.grid.slice(self.plan.dag.meta["placement"][program.loss_region])
         group = dist.new_group(list(ranks))  # collective: every rank creates it
         return group if self.rank in ranks else None
+
+    def _describe(self, key: str) -> str:
+        """Who a blocked task waits for, for timeout messages."""
+        node, dag, grid = self.plan.dag.nodes[key], self.plan.dag, self.plan.grid
+        if node.peer is not None:
+            other = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
+            return f" (a message from rank {other})" if node.kind.value == "RECV" else f" (rank {other})"
+        if node.axis is not None:
+            group = next(g for g in grid.groups(node.axis, node.devices) if self.rank in g)
+            return f" (a collective with ranks {list(group)})"
+        return ""
 
     def _execute(self, key: str) -> None:
         node = self.plan.dag.nodes[key]

@@ -79,6 +79,32 @@ def _final(worker) -> dict[str, Any]:
     return result
 
 
+_SECONDARY = ("Connection reset", "Connection closed", "waited more than", "did not finish", "Broken pipe",
+              "Timed out")
+
+
+def _raise_first_cause(procs, finished, errors, out, grace_s: float = 1.0) -> None:
+    """After the first sign of failure, wait briefly and blame the root cause: a rank that
+    died, else a rank whose own error is not a consequence of a peer's failure."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            kind, rank, payload = out.get(timeout=0.05)
+            if kind == "error":
+                errors.append((rank, *payload))
+        except queue.Empty:
+            pass
+    dead = [r for r, p in enumerate(procs) if r not in finished and not p.is_alive() and p.exitcode != 0]
+    reported = {r for r, _, _ in errors}
+    for r in dead:
+        if r not in reported:
+            raise WorkerFailed(r, f"process died with exit code {procs[r].exitcode}")
+    primary = [e for e in errors if not any(s in e[1] + e[2] for s in _SECONDARY)]
+    busy = [e for e in errors if "computing" in e[1]]  # a rank stuck inside its own compute
+    if primary or busy or errors:
+        raise WorkerFailed(*(primary or busy or errors)[0])
+
+
 def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | None = None,
                body: Callable | None = None) -> dict[int, Any]:
     """Run ``job.steps`` steps on every rank of the plan, forked; returns each rank's result."""
@@ -91,25 +117,24 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
         p.start()
     results: dict[int, Any] = {}
     finished: set[int] = set()
+    errors: list[tuple[int, str, str]] = []
     last_progress = time.monotonic()
+    patience = job.timeout_s + 5  # ranks report their own timeouts first, with more detail
     try:
         while len(finished) < len(procs):
             try:
                 kind, rank, payload = out.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in finished and not p.is_alive()]
-                if dead:
-                    time.sleep(0.3)  # let a dying rank's own error message arrive first
-                    if out.empty():
-                        raise WorkerFailed(dead[0], f"process died with exit code {procs[dead[0]].exitcode}")
-                    continue
-                if time.monotonic() - last_progress > job.timeout_s:
+                if any(r not in finished and not p.is_alive() for r, p in enumerate(procs)) or errors:
+                    _raise_first_cause(procs, finished, errors, out)
+                if time.monotonic() - last_progress > patience:
                     stuck = [r for r in range(len(procs)) if r not in finished]
-                    raise WorkerFailed(stuck[0], f"no progress for {job.timeout_s:.0f}s (ranks {stuck} stalled)")
+                    raise WorkerFailed(stuck[0], f"no progress for {patience:.0f}s (ranks {stuck} stalled)")
                 continue
             last_progress = time.monotonic()
             if kind == "error":
-                raise WorkerFailed(rank, *payload)
+                errors.append((rank, *payload))
+                _raise_first_cause(procs, finished, errors, out)
             if kind == "metrics" and on_metrics:
                 on_metrics(payload)
             elif kind == "result":

@@ -1,0 +1,53 @@
+"""A two-stage model whose stage-1 chunk can raise, die or stall on one rank (fault tests)."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn as nn
+
+import piper_plugin as piper
+
+_calls = {"n": 0}
+
+
+def trip(x: torch.Tensor) -> torch.Tensor:
+    """Inside a chunk at run time: on rank PIPER_FAULT_RANK, at call PIPER_FAULT_CALL, do PIPER_FAULT."""
+    if dist.is_initialized() and dist.get_rank() == int(os.environ.get("PIPER_FAULT_RANK", -1)):
+        _calls["n"] += 1
+        if _calls["n"] == int(os.environ.get("PIPER_FAULT_CALL", 1)):
+            fault = os.environ.get("PIPER_FAULT")
+            if fault == "raise":
+                raise RuntimeError("boom inside the stage-1 chunk")
+            if fault == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stall":
+                time.sleep(120)
+    return x
+
+
+torch.fx.wrap("trip")
+
+
+class TwoStage(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        with piper.annotate(PP=0):
+            h = torch.relu(self.a(x))
+        with piper.annotate(PP=1):
+            return self.b(trip(h))
+
+
+def mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def data(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
