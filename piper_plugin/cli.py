@@ -1,11 +1,14 @@
 """``piper`` console commands.
 
     piper plan --recipe 1f1b --pp 4 --microbatches 8 [--trace t.json --png t.png --json plan.json]
+    piper train --recipe 1f1b --pp 2 --microbatches 4 --steps 30 [--metrics m.jsonl --trace DIR]
 
 ``plan`` captures a toy model on the meta device, applies a recipe (or a recipe file), compiles
 per-rank plans, simulates one step and prints the grid, the bubble next to its textbook value
-and per-rank memory. Every user error ends as one line ``piper: error: <reason>`` on stderr
-and a non-zero exit status, never a traceback.
+and per-rank memory. ``train`` (:mod:`piper_plugin.cli_train`) runs the same schedule on real
+ranks and trains the toy LM on the shipped text. Every user error ends as one line
+``piper: error: <reason>`` on stderr and a non-zero exit status, never a traceback of ours
+(a failed rank's own traceback follows its error line).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["main", "build_parser"]
 
-EXIT_ERROR, EXIT_USAGE = 1, 2
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 
 class UsageError(Exception):
@@ -41,36 +44,44 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_strategy_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what schedule runs (shared by ``plan`` and ``train``)."""
     from piper_plugin.models import TOY_MODELS
     from piper_plugin.recipes import RECIPES
+
+    parser.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="1f1b", help="schedule recipe (default: 1f1b)")
+    parser.add_argument("--recipe-file", type=Path, metavar="FILE",
+                        help="replaces --recipe: a .py file defining recipe(sch, microbatches, **kw) "
+                             "(and optionally stages(pp, chunks) -> int, default pp), or a JSON trace "
+                             "written by Schedule.dumps() (it fixes --pp/--dp/--ep/--microbatches/--zero)")
+    parser.add_argument("--pp", type=_positive, metavar="P", help="pipeline ranks (default: 2)")
+    parser.add_argument("--dp", type=_positive, metavar="D", help="data-parallel degree (default: 1)")
+    parser.add_argument("--ep", type=_positive, metavar="E", help="expert-parallel degree (default: 1)")
+    parser.add_argument("--microbatches", "-m", type=_positive, metavar="M", help="microbatches (default: 4)")
+    parser.add_argument("--chunks", "-v", type=_positive, default=2, metavar="V",
+                        help="stages per rank for interleaved-1f1b (default: 2)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO level (default: 0)")
+    parser.add_argument("--batch", type=_positive, metavar="N",
+                        help="global batch (default: microbatches x dp x ep x 2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from piper_plugin.cli_train import add_train_parser
 
     parser = _Parser(prog="piper", description="Piper: programmable distributed training.")
     commands = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     plan = commands.add_parser(
         "plan", help="compile and simulate a schedule, print its per-rank plan",
         description="Capture a toy model, apply a recipe, compile per-rank plans and simulate one step.")
-    plan.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
-    plan.add_argument("--recipe", choices=list(RECIPES), default="1f1b", help="schedule recipe (default: 1f1b)")
-    plan.add_argument("--recipe-file", type=Path, metavar="FILE",
-                      help="replaces --recipe: a .py file defining recipe(sch, microbatches, **kw) "
-                           "(and optionally stages(pp, chunks) -> int, default pp), or a JSON trace "
-                           "written by Schedule.dumps() (it fixes --pp/--dp/--ep/--microbatches/--zero)")
-    plan.add_argument("--pp", type=_positive, metavar="P", help="pipeline ranks (default: 2)")
-    plan.add_argument("--dp", type=_positive, metavar="D", help="data-parallel degree (default: 1)")
-    plan.add_argument("--ep", type=_positive, metavar="E", help="expert-parallel degree (default: 1)")
-    plan.add_argument("--microbatches", "-m", type=_positive, metavar="M", help="microbatches (default: 4)")
-    plan.add_argument("--chunks", "-v", type=_positive, default=2, metavar="V",
-                      help="stages per rank for interleaved-1f1b (default: 2)")
-    plan.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO level (default: 0)")
-    plan.add_argument("--batch", type=_positive, metavar="N",
-                      help="global batch (default: microbatches x dp x ep x 2)")
+    add_strategy_args(plan)
     plan.add_argument("--cost", choices=("uniform", "cpu"), default="uniform",
                       help="uniform: F=1 B=2 W=1, free comm; cpu: FLOP-based CPU/gloo estimate")
     plan.add_argument("--trace", type=Path, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
     plan.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the compiled plan as JSON")
     plan.set_defaults(run=_run_plan)
+    add_train_parser(commands)
     return parser
 
 
@@ -86,12 +97,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except UsageError as exc:
         return _fail(exc, EXIT_USAGE)
+    except KeyboardInterrupt:
+        print("piper: error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except _user_errors() as exc:
         return _fail(exc, EXIT_ERROR)
 
 
 def _fail(exc: BaseException, code: int) -> int:
-    print("piper: error: " + " ".join(str(exc).split()), file=sys.stderr)
+    """One line ``piper: error: ...``; a failed rank's original traceback follows below it."""
+    launch = sys.modules.get("piper_plugin.runtime.launch.processes")  # loaded if anything ran
+    message, details = str(exc), ""
+    if launch is not None and isinstance(exc, launch.WorkerFailed):
+        message = message.split("\n--- original traceback", 1)[0]
+        details = (f"--- original traceback of rank {exc.rank} ---\n{exc.details.rstrip()}"
+                   if exc.details else "")
+    print("piper: error: " + " ".join(message.split()), file=sys.stderr)
+    if details:
+        print(details, file=sys.stderr)
     return code
 
 
@@ -99,9 +122,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from piper_plugin.api.errors import DirectiveError
     from piper_plugin.ir.capture import CaptureError
     from piper_plugin.scheduler.plan import PlanError
+    from piper_plugin.runtime.launch.processes import WorkerFailed
+    from piper_plugin.runtime.launch.spmd import PlanMismatch
     from piper_plugin.scheduler.simulate import DeadlockError
 
-    return (DirectiveError, CaptureError, PlanError, DeadlockError, OSError, ValueError)
+    return (DirectiveError, CaptureError, PlanError, DeadlockError, WorkerFailed, PlanMismatch, OSError, ValueError)
 
 
 # -- piper plan -------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ def test_zero3_regathers_and_reshards_every_microbatch():
 
 
 def test_zero3_gather_is_prefetched_one_chunk_ahead():
+    """The gather for chunk k waits for chunk k-2, so it overlaps chunk k-1."""
     plan = _plan("1f1b", dp=2, m=4, zero=3)
     compute = plan.compute_sequence(0)
     for key in plan.ranks[0].streams["dp"]:
@@ -102,8 +103,8 @@ def test_zero3_gather_is_prefetched_one_chunk_ahead():
             continue
         consumer = next(s for s in plan.dag.data_succ[key])
         waits_for = [p for p in plan.dag.temporal_pred[key] if plan.dag.nodes[p].is_compute]
-        if compute.index(consumer) > 0:
-            assert waits_for == [compute[compute.index(consumer) - 1]]
+        if compute.index(consumer) > 1:
+            assert waits_for == [compute[compute.index(consumer) - 2]]
 
 
 def test_plan_export_lists_every_task():

@@ -188,10 +188,10 @@ def _freeze(value: Any) -> Any:
                 value.device, value.requires_grad)
     if value is None or value is Ellipsis or type(value) in _ATOMS:
         return type(value), value  # typed: 1, 1.0 and True are equal keys but give other dtypes
-    if type(value) in (tuple, list, torch.Size):
+    if isinstance(value, (tuple, list)):  # fx's immutable_list, torch.Size, ...
         return type(value), tuple(_freeze(v) for v in value)
-    if type(value) is dict:
-        return dict, tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, dict):  # fx's immutable_dict
+        return type(value), tuple((k, _freeze(v)) for k, v in value.items())
     if type(value) is slice:
         return slice, _freeze(value.start), _freeze(value.stop), _freeze(value.step)
     raise _Uncacheable

@@ -61,9 +61,11 @@ def absorb(state: RankState, node: Node, result) -> None:
         elif node.kind == Kind.REDUCE_SCATTER:
             bucket.add_shard_grad(result)
         else:
-            if node.phase in ("F", "B"):
+            if node.phase in ("F", "B"):  # ZeRO-3: parameters do not change within a step
                 if bucket.refs == 0:
                     state.meter.add(bucket.padded * bucket.flat.element_size())
+                    bucket.materialize(result)
                 bucket.refs += state.local_consumers(node.key)
-            bucket.materialize(result)
+            else:
+                bucket.materialize(result)
     state.finished(node.key)

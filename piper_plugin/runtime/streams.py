@@ -13,6 +13,8 @@ import time
 import traceback
 from typing import Callable
 
+import torch
+
 from piper_plugin.scheduler.plan import RankPlan
 
 __all__ = ["StreamRunner", "TaskFailed"]
@@ -53,8 +55,11 @@ class StreamRunner:
         def report() -> str:
             return "; ".join(f"{s}: {h}" for s, h in sorted(heads.items()))
 
+        threads_per_op = torch.get_num_threads()
+
         def run(stream: str, keys: list[str]) -> None:
             key = ""
+            torch.set_num_threads(threads_per_op)  # OpenMP's setting is per thread: carry it over
             try:
                 for key in keys:
                     for dep in self.cross[key]:

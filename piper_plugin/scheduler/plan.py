@@ -71,7 +71,9 @@ class Plan:
 
 
 def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
-    """Chain per-microbatch ALL_GATHERs after the compute task preceding their consumer."""
+    """Start each per-microbatch ALL_GATHER once the compute task two before its consumer is
+    done, so it runs alongside the task right before its consumer (prefetch one chunk ahead):
+    at most two gathered buckets are alive per rank."""
     nodes = dag.nodes
     gathers = [key for key, node in nodes.items()
                if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B") and not dag.temporal_pred[key]]
@@ -90,7 +92,7 @@ def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
     changed = False
     for key in gathers:
         consumers = [s for s in dag.data_succ[key] if nodes[s].is_compute]
-        before = previous.get(min(consumers, key=position.__getitem__))
+        before = previous.get(previous.get(min(consumers, key=position.__getitem__), ""))
         while before is not None and (before in dag.temporal_succ[key] or before in dag.data_succ[key]):
             before = previous.get(before)  # already after the gather (an overlap block): look earlier
         if before is not None:
@@ -99,7 +101,7 @@ def _gather_prefetch(dag: DAG, order: list[str]) -> bool:
     return changed
 
 
-def _align_p2p(dag: DAG, order: list[str]) -> None:
+def _align_p2p(dag: DAG, order: list[str]) -> list[tuple[str, str]]:
     """One communicator per (stream, direction): its SENDs and RECVs are chained in one order."""
     by_direction: dict[tuple[str, int, int], list[str]] = {}
     nodes = dag.nodes
@@ -109,20 +111,23 @@ def _align_p2p(dag: DAG, order: list[str]) -> None:
         if node.kind == Kind.SEND:
             direction = (node.stream, placement[node.region], placement[nodes[node.peer].region])
             by_direction.setdefault(direction, []).append(key)
+    added = []
     for sends in by_direction.values():
         for a, b in zip(sends, sends[1:]):
             dag.add_temporal(a, b)
             ra, rb = nodes[a].peer, nodes[b].peer
             dag.add_temporal(ra, rb)
+            added += ((a, b), (ra, rb))
+    return added
 
 
-def _asap_order(dag: DAG) -> list[str]:
+def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
     """Topological order by earliest start (unit compute, free comm), ties by insertion order.
 
     Orders comm as its producers run. A node's earliest start is final once its last
     predecessor is ordered, so one Kahn pass whose heap holds (start, insertion index) of the
     ready nodes gives the order of ranking every node by that pair. Raises CycleError if the
-    DAG has a cycle.
+    DAG has a cycle. Returns the order and the earliest starts.
     """
     nodes, data_succ, temporal_succ = dag.nodes, dag.data_succ, dag.temporal_succ
     data_pred, temporal_pred = dag.data_pred, dag.temporal_pred
@@ -154,7 +159,24 @@ def _asap_order(dag: DAG) -> list[str]:
                     push(heap, (start[succ], index[succ]))
     if len(order) != len(nodes):
         dag.topological_order()  # raises CycleError naming a cycle
-    return order
+    return order, start
+
+
+def _still_asap(dag: DAG, order: list[str], start: dict[str, float], added: list[tuple[str, str]]) -> bool:
+    """Whether ``order`` is still :func:`_asap_order` of ``dag`` after the edges ``added``.
+
+    It is if each added edge a -> b runs forward in ``order`` and b's earliest start already
+    allows for a (start[b] >= start[a] + a's unit): then no earliest start changes, and the
+    greedy order, whose every pick stays ready, picks the same node at each step.
+    """
+    if not added:
+        return True
+    position = {key: i for i, key in enumerate(order)}
+    nodes = dag.nodes
+    for a, b in added:
+        if position[a] > position[b] or start[b] < start[a] + (1.0 if nodes[a].is_compute else 0.0):
+            return False
+    return True
 
 
 def build_plan(dag: DAG, grid: RankGrid) -> Plan:
@@ -167,12 +189,13 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
     if "microbatches" not in dag.meta:
         raise PlanError("the schedule is not split: call split(microbatches=N) before compiling")
     dag = dag.copy()
-    order = _asap_order(dag)
+    order, start = _asap_order(dag)
     if _gather_prefetch(dag, order):
-        order = _asap_order(dag)
-    _align_p2p(dag, order)
+        order, start = _asap_order(dag)
+    added = _align_p2p(dag, order)
     try:
-        order = _asap_order(dag)
+        if not _still_asap(dag, order, start, added):
+            order, start = _asap_order(dag)
     except ValueError as exc:
         raise PlanError(f"P2P alignment is impossible: a receiver needs messages in another order "
                         f"than its sender sends them ({exc})") from None

@@ -9,7 +9,9 @@ original traceback.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, Callable
@@ -31,8 +33,10 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
+    temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 2**20, _temp_dir=tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp"))
+             object_store_memory=256 * 2**20, _temp_dir=temp_dir)
+    atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
 
 

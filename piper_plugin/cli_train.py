@@ -1,0 +1,215 @@
+"""``piper train``: run a schedule on real ranks and train the toy LM on the shipped text.
+
+    piper train --recipe 1f1b --pp 2 --microbatches 4 --steps 30 [--metrics m.jsonl] [--trace DIR]
+
+The strategy flags are those of ``piper plan``. Ranks start as Ray actors (default; a quiet
+local Ray, or an existing cluster with ``--address``), as forked local processes
+(``--launcher fork``, fastest to start) or inside processes torchrun started
+(``--launcher spmd``; every rank runs this command, rank 0 prints and writes the files).
+One line per step once every rank reported it; a summary at the end; ``--trace`` writes the
+measured last step as a Chrome trace and a picture next to the simulator's picture.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from piper_plugin.cli import UsageError, _positive, _setup, add_strategy_args
+
+__all__ = ["add_train_parser", "run_train"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _natural(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_train_parser(commands) -> argparse.ArgumentParser:
+    from piper_plugin.training import LAUNCHERS
+
+    train = commands.add_parser(
+        "train", help="train the toy LM with a schedule on real ranks (Ray, forked processes or torchrun)",
+        description="Run a schedule on pp x dp x ep ranks and train the toy LM on the shipped text: "
+                    "one line per step, a summary, optionally a metrics file and the measured trace.")
+    add_strategy_args(train)
+    train.add_argument("--steps", type=_positive, default=20, metavar="N", help="training steps (default: 20)")
+    train.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    train.add_argument("--seed", type=_natural, default=0, help="model init and data order seed (default: 0)")
+    train.add_argument("--seq", type=_positive, default=32, metavar="T", help="sequence length (default: 32)")
+    train.add_argument("--nproc", type=_positive, metavar="N",
+                       help="number of ranks; must equal pp x dp x ep (a check, it sets nothing)")
+    train.add_argument("--launcher", choices=LAUNCHERS, default="ray",
+                       help="ray: one actor per rank (default); fork: local processes; "
+                            "spmd: inside torchrun (every rank runs this command)")
+    train.add_argument("--address", metavar="HOST:PORT",
+                       help="join an existing Ray cluster (started with RAY_AUTH_MODE=disabled ray start --head) "
+                            "instead of starting a local one")
+    train.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+                       help="seconds without progress before the job is stopped (default: 60)")
+    train.add_argument("--metrics", type=Path, metavar="FILE.jsonl",
+                       help="write one JSON object per step and rank (step from 0, rank, loss on the "
+                            "ranks holding the loss, step_time_s, tokens_per_s, peak_memory_bytes)")
+    train.add_argument("--trace", type=Path, metavar="DIR",
+                       help="write DIR/trace.json (measured last step, Chrome/Perfetto), DIR/timeline.png "
+                            "(measured) and DIR/simulated.png")
+    train.set_defaults(run=run_train)
+    return train
+
+
+def _check(args: argparse.Namespace, setup) -> int:
+    world = setup.pp * setup.dp * setup.ep
+    if args.nproc is not None and args.nproc != world:
+        raise UsageError(f"--nproc {args.nproc} does not match the schedule's pp x dp x ep = "
+                         f"{setup.pp} x {setup.dp} x {setup.ep} = {world} ranks")
+    if args.trace is not None and args.trace.exists() and not args.trace.is_dir():
+        raise UsageError(f"--trace {str(args.trace)!r} is a file; it names a directory (created if missing)")
+    if args.address and args.launcher != "ray":
+        raise UsageError(f"--address joins a Ray cluster; it needs --launcher ray, not {args.launcher}")
+    if args.launcher == "spmd":
+        env_world = os.environ.get("WORLD_SIZE")
+        if env_world is None:
+            raise UsageError("--launcher spmd runs inside torchrun: torchrun --nproc_per_node "
+                             f"{world} -m piper_plugin.cli train --launcher spmd ...")
+        if int(env_world) != world:
+            raise UsageError(f"torchrun started {env_world} ranks but the schedule needs pp x dp x ep = {world}; "
+                             f"use --nproc_per_node {world}")
+    if args.address:
+        _reachable(args.address)
+    from piper_plugin.data.text import token_stream
+
+    if args.seq >= len(token_stream()):
+        raise UsageError(f"--seq {args.seq} is longer than the shipped corpus ({len(token_stream())} tokens)")
+    return world
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds on a wrong HOST:PORT (ray.init would retry for minutes)."""
+    import re
+    import socket
+
+    match = re.fullmatch(r"(?:ray://)?\[?([^\[\]]+?)\]?:(\d+)", address)
+    if not match:  # "auto" and other forms: leave them to Ray
+        return
+    host, port = match.group(1), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UsageError(f"--address {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); start one "
+                         f"with `RAY_AUTH_MODE=disabled ray start --head` and pass the address it prints") from None
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from piper_plugin.train_report import Progress, measured_result, write_trace
+    from piper_plugin.training import run, toy_job
+
+    setup = _setup(args)
+    world = _check(args, setup)
+    batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
+    layers = max(setup.stages, 2)
+    job = toy_job(setup.apply, model=args.model, stages=setup.stages, layers=layers, batch=batch, seq=args.seq,
+                  steps=args.steps, lr=args.lr, seed=args.seed, timeout_s=args.timeout)
+    spmd = args.launcher == "spmd"
+    leader = not spmd or int(os.environ.get("RANK", "0")) == 0
+    say = print if leader else (lambda *a, **k: None)
+    if args.launcher == "ray":
+        os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")  # no "Started a local Ray instance" line
+
+    previous_term = _term_as_interrupt()
+    metrics_file = None
+    try:
+        if leader and args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+        if leader and args.metrics:
+            args.metrics.parent.mkdir(parents=True, exist_ok=True)
+            metrics_file = args.metrics.open("w")
+        where = f"Ray cluster {args.address}" if args.address else args.launcher
+        say(f"train    {args.model}, {layers} layers in {setup.stages} stages, schedule {setup.name}: "
+            f"pp={setup.pp} dp={setup.dp} ep={setup.ep} ({world} ranks, {where}), {setup.microbatches} "
+            f"microbatches, zero {setup.zero}")
+        say(f"data     shipped text, batch {batch} x seq {args.seq} = {batch * args.seq:,} tokens/step, "
+            f"{args.steps} steps, AdamW lr {args.lr:g}, seed {args.seed}", flush=True)
+        progress = Progress(world, args.steps, metrics_file=metrics_file)
+        on_metrics = _gathering(progress, leader) if spmd else progress
+        with warnings.catch_warnings():  # forked ranks inherit the filter
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+            result = run(job, launcher=args.launcher, address=args.address, on_metrics=on_metrics)
+        timelines = _timelines(result, spmd)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+    if not leader:
+        return 0
+    for line in progress.summary():
+        print(line)
+    plan, simulated = result.plan, result.simulated
+    if plan is None:  # spmd: every rank compiled its own; compile the same plan here for the report
+        from piper_plugin.runtime.job import compile_job
+
+        _, _, plan, simulated = compile_job(job)
+    measured = measured_result(plan, timelines)
+    print(f"bubble   measured {measured.bubble_fraction:.1%} (last step, 1 - compute / step span, mean over "
+          f"ranks)   simulated {simulated.bubble_fraction:.1%} (F=1 B=2 W=1, free comm)")
+    if args.metrics:
+        print(f"wrote    {args.metrics} ({world * len(progress.done)} lines: steps x ranks)")
+    if args.trace:
+        paths = write_trace(args.trace, plan, measured, simulated, setup.name)
+        print(f"wrote    {paths[0]} (open in https://ui.perfetto.dev), {paths[1]} (measured), {paths[2]}")
+    return 0
+
+
+def _term_as_interrupt():
+    """SIGTERM stops the job like Ctrl-C does: the launcher's cleanup kills every rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _gathering(progress, leader: bool):
+    """Under torchrun each process sees its own rank's metrics: gather them on rank 0 per step."""
+    import torch.distributed as dist
+
+    def on_metrics(metrics: dict[str, Any]) -> None:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, metrics)  # between steps: no stream thread uses the group
+        if leader:
+            for m in every:
+                progress(m)
+
+    return on_metrics
+
+
+def _timelines(result, spmd: bool) -> dict[int, list]:
+    if not spmd:
+        return {r: final["timeline"] for r, final in result.per_rank.items()}
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result.per_rank[0]["timeline"])
+    return dict(enumerate(every))

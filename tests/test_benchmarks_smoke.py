@@ -1,0 +1,59 @@
+"""Smoke runs of the benchmarks at tiny sizes: each main runs, prints its command and writes
+its table with one row per configuration (the published figures come from the defaults)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` lives at the repo root
+
+from benchmarks import memory_check, pipelining_ab, task_overhead  # noqa: E402
+
+TINY_LM = ["--dim", "32", "--layers", "4", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "8",
+           "--batch", "8", "--microbatches", "4"]
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]  # past header + rule
+
+
+def test_pipelining_ab_smoke(tmp_path, capsys):
+    out = tmp_path / "ab.md"
+    summary = pipelining_ab.main(TINY_LM + ["--rounds", "1", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("python -m benchmarks.pipelining_ab ")
+    text = out.read_text()
+    assert "Command: `python -m benchmarks.pipelining_ab" in text
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b", "dualpipev"]
+    assert [r[1] for r in rows] == ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV"]
+    for recipe, s in summary.items():
+        assert s["piper_s"] > 0 and s["torch_s"] > 0 and s["ratio"] > 0, recipe
+        # same weights, same data: both engines see the same first loss
+        assert abs(s["piper_loss"] - s["torch_loss"]) <= 1e-5 * abs(s["torch_loss"]), recipe
+
+
+def test_task_overhead_smoke(tmp_path, capsys):
+    out = tmp_path / "overhead.md"
+    rows = task_overhead.main(["--variants", "shipped", "--microbatches", "4", "--warmup", "1", "--steps", "2",
+                               "--round-trips", "1", "--out", str(out)])
+    assert capsys.readouterr().out.startswith("python -m benchmarks.task_overhead ")
+    table = _table_rows(out.read_text())
+    assert [r[0] for r in table] == list(task_overhead.CONFIGS)
+    assert all(r[1] == "shipped" for r in table)
+    for r in rows:
+        assert r["tasks"] > 0 and r["step"] > 0 and r["bare"] > 0 and r["torch_step"] > 0
+    # 1 rank, 8 stages, 4 microbatches: F and B per stage and microbatch, one UPDATE per stage
+    assert rows[0]["kinds"] == {"F": 32, "B": 32, "UPDATE": 8}
+
+
+def test_memory_check_smoke(tmp_path, capsys):
+    out = tmp_path / "memory.md"
+    rows = memory_check.main(TINY_LM + ["--steps", "1", "--out", str(out)])
+    assert capsys.readouterr().out.startswith("python -m benchmarks.memory_check ")
+    table = _table_rows(out.read_text())
+    expected = [(recipe, str(rank)) for recipe in memory_check.RECIPES for rank in range(2)]
+    assert [(r[0], r[1]) for r in table] == expected
+    for r in rows:
+        assert r["sim"] > 0 and r["measured"] > 0 and r["sim_fixed"] > 0 and r["measured_fixed"] > 0

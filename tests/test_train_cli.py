@@ -1,0 +1,166 @@
+"""`piper train`: real ranks learn, per-step lines, metrics file, measured trace, one-line errors.
+
+Most tests use ``--launcher fork`` (2 ranks start in ~2 s). The two ``*_slow`` tests run the
+console script in a subprocess with the default Ray launcher (~20 s: ray.init plus actors) and
+under torchrun (``--launcher spmd``); deselect them with ``-k "not slow"``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from piper_plugin.cli import main
+
+KEYS = {"step", "rank", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+(\S+)\s+step\s+([\d.]+) ms\s+([\d,]+) tokens/s\s+peak mem (.+)$")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def train(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def step_lines(out: str) -> list[re.Match]:
+    return [m for m in map(STEP_LINE.match, out.splitlines()) if m]
+
+
+def test_fork_1f1b_learns_and_reports_every_step(capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--launcher", "fork", "--recipe", "1f1b", "--pp", "2", "--microbatches", "4",
+                           "--steps", "10", "--metrics", str(metrics))
+    assert code == 0, err
+    rows = read_jsonl(metrics)
+    assert len(rows) == 10 * 2  # steps x ranks
+    assert {(r["step"], r["rank"]) for r in rows} == {(s, r) for s in range(10) for r in range(2)}
+    for row in rows:
+        assert KEYS <= row.keys()
+        assert ("loss" in row) == (row["rank"] == 1)  # only the last stage holds the loss
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses[9] < losses[0]
+
+    lines = step_lines(out)
+    assert [int(m[1]) for m in lines] == list(range(1, 11)) and all(m[2] == "10" for m in lines)
+    for m in lines:  # loss of the step; slowest rank's time; global tokens / slowest time
+        reports = [r for r in rows if r["step"] == int(m[1]) - 1]
+        assert float(m[3]) == pytest.approx(losses[int(m[1]) - 1], abs=1e-4)
+        assert float(m[4]) == pytest.approx(max(r["step_time_s"] for r in reports) * 1e3, abs=0.06)
+        tokens = int(m[5].replace(",", ""))
+        assert tokens == pytest.approx(min(r["tokens_per_s"] for r in reports), abs=1)
+        assert tokens == pytest.approx(8 * 32 / max(r["step_time_s"] for r in reports), abs=1)  # batch 8 x seq 32
+    assert f"loss     {losses[0]:.4f} (step 1) -> {losses[9]:.4f} (step 10)" in out
+    assert re.search(r"^step     median [\d.]+ ms", out, re.M)
+    assert f"wrote    {metrics} (20 lines: steps x ranks)" in out
+
+
+def test_dp_zero_reports_all_ranks(capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--launcher", "fork", "--pp", "2", "--dp", "2", "--zero", "2", "--nproc", "4",
+                           "--steps", "2", "--metrics", str(metrics))
+    assert code == 0, err
+    rows = read_jsonl(metrics)
+    assert len(rows) == 2 * 4
+    last_stage = {r["rank"] for r in rows if "loss" in r}
+    assert len(last_stage) == 2  # both data-parallel replicas of the last stage report the global loss
+    assert len({r["loss"] for r in rows if r["step"] == 0 and "loss" in r}) == 1
+    assert len(step_lines(out)) == 2 and "(4 ranks, fork)" in out
+
+
+def test_trace_writes_measured_trace_and_pictures(capsys, tmp_path):
+    out_dir = tmp_path / "trace"
+    code, out, err = train(capsys, "--launcher", "fork", "--steps", "2", "--trace", str(out_dir))
+    assert code == 0, err
+    trace = json.loads((out_dir / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert min(e["ts"] for e in spans) == 0 and all(e["dur"] >= 0 for e in spans)
+    assert {e["args"]["kind"] for e in spans} >= {"F", "B", "UPDATE", "SEND", "RECV"}
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "compute" in threads and any(t.startswith("p2p") for t in threads)
+    assert trace["otherData"]["source"].startswith("measured")
+    for name in ("timeline.png", "simulated.png"):
+        assert (out_dir / name).read_bytes()[:8] == PNG_MAGIC
+    bubble = next(line for line in out.splitlines() if line.startswith("bubble"))
+    measured = float(re.search(r"measured ([\d.]+)%", bubble)[1])
+    assert 0 < measured < 100 and trace["otherData"]["bubble_fraction"] == pytest.approx(measured / 100, abs=6e-4)
+    assert "simulated 20.0%" in bubble  # 1F1B, p=2, m=4
+
+
+BAD = [
+    (["--nproc", "3"], "--nproc 3 does not match the schedule's pp x dp x ep = 2 x 1 x 1 = 2 ranks"),
+    (["--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["--recipe", "nope"], "argument --recipe: invalid choice: 'nope'"),
+    (["--launcher", "fork", "--address", "127.0.0.1:6379"], "--address joins a Ray cluster; it needs --launcher ray"),
+    (["--launcher", "fork", "--batch", "9"], "split(4): batch 9 is not divisible by 4 microbatches"),
+    (["--launcher", "spmd"], "--launcher spmd runs inside torchrun"),
+    (["--timeout", "0"], "argument --timeout: must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("argv,reason", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line(capsys, argv, reason):
+    code, out, err = train(capsys, *argv)
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("piper: error: ") and reason in err
+    assert not step_lines(out)
+
+
+def test_failed_rank_prints_its_traceback(capsys, monkeypatch):
+    from piper_plugin.runtime import worker
+
+    step = worker.Worker.step
+
+    def failing(self):  # forked ranks inherit the patch
+        if self.rank == 1 and self.step_index == 1:
+            raise RuntimeError("injected failure")
+        return step(self)
+
+    monkeypatch.setattr(worker.Worker, "step", failing)
+    code, out, err = train(capsys, "--launcher", "fork", "--steps", "3")
+    assert code == 1
+    first, *rest = err.splitlines()
+    assert first == "piper: error: rank 1 failed: RuntimeError('injected failure')"
+    assert rest[0] == "--- original traceback of rank 1 ---" and rest[1].startswith("Traceback")
+    assert rest[-1] == "RuntimeError: injected failure"
+
+
+def _console(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([*argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_default_ray_launcher_slow(tmp_path):
+    """SLOW (~20 s): the console script with the default launcher, a quiet local Ray."""
+    metrics = tmp_path / "m.jsonl"
+    piper = shutil.which("piper") or pytest.skip("console script not installed")
+    done = _console(piper, "train", "--pp", "2", "--microbatches", "4", "--steps", "3", "--metrics", str(metrics),
+                    timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "(2 ranks, ray)" in done.stdout and len(step_lines(done.stdout)) == 3
+    assert "Traceback" not in done.stderr and "Started a local Ray instance" not in done.stderr
+    rows = read_jsonl(metrics)
+    assert len(rows) == 6 and {r["rank"] for r in rows if "loss" in r} == {1}
+
+
+def test_spmd_under_torchrun_slow(tmp_path):
+    """SLOW (~12 s): every torchrun rank runs the command; rank 0 gathers and prints."""
+    metrics = tmp_path / "m.jsonl"
+    done = _console(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "piper_plugin.cli",
+                    "train", "--launcher", "spmd", "--steps", "2", "--metrics", str(metrics), "--trace",
+                    str(tmp_path / "t"), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert len(step_lines(done.stdout)) == 2 and done.stdout.count("train    ") == 1
+    assert len(read_jsonl(metrics)) == 4
+    assert (tmp_path / "t" / "timeline.png").read_bytes()[:8] == PNG_MAGIC
