@@ -10,15 +10,15 @@ import torch.nn as nn
 
 import piper_plugin as piper
 
-_calls = {"n": 0}
+_plan = {"fault": None, "rank": -1, "call": 1, "n": 0}  # set in each process by TwoStage()
 
 
 def trip(x: torch.Tensor) -> torch.Tensor:
-    """Inside a chunk at run time: on rank PIPER_FAULT_RANK, at call PIPER_FAULT_CALL, do PIPER_FAULT."""
-    if dist.is_initialized() and dist.get_rank() == int(os.environ.get("PIPER_FAULT_RANK", -1)):
-        _calls["n"] += 1
-        if _calls["n"] == int(os.environ.get("PIPER_FAULT_CALL", 1)):
-            fault = os.environ.get("PIPER_FAULT")
+    """Inside a chunk at run time: on the planned rank, at the planned call, raise, die or stall."""
+    if dist.is_initialized() and dist.get_rank() == _plan["rank"]:
+        _plan["n"] += 1
+        if _plan["n"] == _plan["call"]:
+            fault = _plan["fault"]
             if fault == "raise":
                 raise RuntimeError("boom inside the stage-1 chunk")
             if fault == "die":
@@ -32,8 +32,9 @@ torch.fx.wrap("trip")
 
 
 class TwoStage(nn.Module):
-    def __init__(self, dim: int = 8):
+    def __init__(self, dim: int = 8, fault: str | None = None, rank: int = 1, call: int = 1):
         super().__init__()
+        _plan.update(fault=fault, rank=rank, call=call, n=0)
         self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, x):

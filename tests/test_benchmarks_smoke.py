@@ -20,7 +20,8 @@ def _table_rows(text: str) -> list[list[str]]:
 
 def test_pipelining_ab_smoke(tmp_path, capsys):
     out = tmp_path / "ab.md"
-    summary = pipelining_ab.main(TINY_LM + ["--rounds", "1", "--warmup", "0", "--steps", "1", "--out", str(out)])
+    summary = pipelining_ab.main(TINY_LM + ["--rounds", "1", "--warmup", "0", "--steps", "1", "--quiet-wait", "0",
+                                           "--out", str(out)])
     printed = capsys.readouterr().out
     assert printed.startswith("python -m benchmarks.pipelining_ab ")
     text = out.read_text()
@@ -37,7 +38,7 @@ def test_pipelining_ab_smoke(tmp_path, capsys):
 def test_task_overhead_smoke(tmp_path, capsys):
     out = tmp_path / "overhead.md"
     rows = task_overhead.main(["--variants", "shipped", "--microbatches", "4", "--warmup", "1", "--steps", "2",
-                               "--round-trips", "1", "--out", str(out)])
+                               "--round-trips", "1", "--quiet-wait", "0", "--out", str(out)])
     assert capsys.readouterr().out.startswith("python -m benchmarks.task_overhead ")
     table = _table_rows(out.read_text())
     assert [r[0] for r in table] == list(task_overhead.CONFIGS)

@@ -18,16 +18,9 @@ def _schedule(program):
     return apply_recipe(Schedule(program, pp=2), "1f1b", microbatches=4)
 
 
-def _job(timeout_s=20.0):
-    return Job(faulty.TwoStage, faulty.mse, faulty.data, _schedule,
-               functools.partial(torch.optim.SGD, lr=0.1), steps=4, timeout_s=timeout_s)
-
-
-def _fail(monkeypatch, fault, call, timeout_s=20.0):
-    monkeypatch.setenv("PIPER_FAULT", fault)
-    monkeypatch.setenv("PIPER_FAULT_RANK", "1")
-    monkeypatch.setenv("PIPER_FAULT_CALL", str(call))
-    job = _job(timeout_s)
+def _fail(fault, call, timeout_s=20.0):
+    job = Job(functools.partial(faulty.TwoStage, fault=fault, rank=1, call=call), faulty.mse, faulty.data,
+              _schedule, functools.partial(torch.optim.SGD, lr=0.1), steps=4, timeout_s=timeout_s)
     program, _, plan, _ = compile_job(job)
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
@@ -37,22 +30,22 @@ def _fail(monkeypatch, fault, call, timeout_s=20.0):
     return info.value, elapsed
 
 
-def test_exception_in_a_chunk_names_the_rank_and_keeps_the_traceback(monkeypatch):
-    error, elapsed = _fail(monkeypatch, "raise", call=6)  # second step
+def test_exception_in_a_chunk_names_the_rank_and_keeps_the_traceback():
+    error, elapsed = _fail("raise", call=6)  # second step
     assert error.rank == 1
     assert "boom inside the stage-1 chunk" in str(error)
     assert "faulty.py" in error.details and "Traceback" in error.details
     assert elapsed < 20
 
 
-def test_killed_rank_stops_the_job(monkeypatch):
-    error, elapsed = _fail(monkeypatch, "die", call=3)
+def test_killed_rank_stops_the_job():
+    error, elapsed = _fail("die", call=3)
     assert error.rank == 1 and "died" in str(error)
     assert elapsed < 20
 
 
-def test_stalled_rank_hits_the_timeout(monkeypatch):
-    error, elapsed = _fail(monkeypatch, "stall", call=2, timeout_s=3.0)
+def test_stalled_rank_hits_the_timeout():
+    error, elapsed = _fail("stall", call=2, timeout_s=3.0)
     assert any(w in str(error) for w in ("waited more than 3s", "Timed out waiting 3000ms", "no progress"))
     assert error.rank == 1 or "from rank 1" in str(error)  # the stalled rank, or whom rank 0 waited for
     assert elapsed < 3.0 + 10

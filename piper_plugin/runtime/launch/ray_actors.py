@@ -22,8 +22,12 @@ from piper_plugin.runtime.launch.processes import WorkerFailed, free_port
 __all__ = ["run_ray", "start_ray"]
 
 
-def start_ray(address: str | None, num_cpus: int) -> bool:
-    """Start a quiet local Ray (True) or connect to ``address`` (False: not ours to stop)."""
+def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = None) -> bool:
+    """Start a quiet local Ray (True) or connect to ``address`` (False: not ours to stop).
+
+    ``runtime_env`` (Ray's own option) lets actors import the caller's modules, e.g.
+    ``{"env_vars": {"PYTHONPATH": "/path/to/my/code"}}``.
+    """
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -31,11 +35,11 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
         return False
     temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 2**20, _temp_dir=temp_dir)
+             object_store_memory=256 * 2**20, _temp_dir=temp_dir, runtime_env=runtime_env)
     atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
 

@@ -1,0 +1,64 @@
+"""Launch mode Ray: the driver compiles once, actors train; parity, user optimizer and LR
+scheduler, and a failing actor stopping the job — on one Ray cluster for the session."""
+import functools
+
+import pytest
+import torch
+
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.models import ToyLM, ToyLMConfig, lm_loss
+from piper_plugin.recipes import apply_recipe
+from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.runtime.launch.processes import WorkerFailed
+from piper_plugin.runtime.launch.ray_actors import run_ray
+from parity import lm_data
+import faulty
+
+CFG = ToyLMConfig(n_layers=2)
+
+
+def _model():
+    return ToyLM(CFG, stages=2)
+
+
+def _schedule(program):
+    return apply_recipe(Schedule(program, pp=2), "1f1b", microbatches=4)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def test_ray_training_uses_the_users_optimizer_and_scheduler(ray_cluster):
+    job = Job(_model, lm_loss, lm_data(CFG, 8), _schedule, _sgd, steps=3, lr_scheduler_fn=_step_lr)
+    program, _, plan, _ = compile_job(job)
+    metrics = []
+    run_ray(job, program, plan, on_metrics=metrics.append)
+    torch.manual_seed(0)
+    reference = _model()
+    optimizer = _sgd(list(reference.parameters()))
+    scheduler = _step_lr(optimizer)
+    data = job.data_fn(0)
+    for step in range(3):
+        tokens, target = next(data)
+        loss = lm_loss(reference(tokens), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        got = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
+        assert got and abs(got[0] - loss.item()) < 1e-5 * loss.item()
+
+
+def test_ray_actor_failure_stops_the_job(ray_cluster):
+    job = Job(functools.partial(faulty.TwoStage, fault="raise", rank=1, call=2), faulty.mse, faulty.data,
+              lambda p: apply_recipe(Schedule(p, pp=2), "gpipe", microbatches=2),
+              functools.partial(torch.optim.SGD, lr=0.1), steps=3, timeout_s=20)
+    program, _, plan, _ = compile_job(job)
+    with pytest.raises(WorkerFailed) as info:
+        run_ray(job, program, plan)
+    assert info.value.rank == 1 and "boom inside the stage-1 chunk" in str(info.value)
