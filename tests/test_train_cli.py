@@ -118,16 +118,25 @@ def test_bad_input_is_one_line(capsys, argv, reason):
 
 
 def test_failed_rank_prints_its_traceback(capsys, monkeypatch):
-    from piper_plugin.runtime import worker
+    from piper_plugin import training
 
-    step = worker.Worker.step
+    real = training.toy_job
 
-    def failing(self):  # forked ranks inherit the patch
-        if self.rank == 1 and self.step_index == 1:
-            raise RuntimeError("injected failure")
-        return step(self)
+    def toy_job(*args, **kwargs):  # ranks get this job by value, so the failure travels with it
+        job = real(*args, **kwargs)
+        build = job.model_fn
 
-    monkeypatch.setattr(worker.Worker, "step", failing)
+        def model_fn():
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_rank() == 1:
+                raise RuntimeError("injected failure")
+            return build()
+
+        job.model_fn = model_fn
+        return job
+
+    monkeypatch.setattr(training, "toy_job", toy_job)
     code, out, err = train(capsys, "--launcher", "fork", "--steps", "3")
     assert code == 1
     first, *rest = err.splitlines()

@@ -1,7 +1,10 @@
-"""Launch mode for tests and single machines: forked worker processes on gloo.
+"""Launch mode for tests and single machines: worker processes forked on gloo.
 
-The parent compiles once; children inherit the job and plan through fork (nothing is
-pickled), run the worker loop and stream metrics back. The first failure, death or stall of
+Children are forked from a fork server that has imported torch and Piper but never run
+autograd (forking a process that has run autograd breaks autograd in the child), so they
+start in milliseconds whatever the caller did before. The parent compiles once and ships
+the job, plan and program with cloudpickle (lambdas and closures are fine); children run the
+worker loop and stream metrics back. The first failure, death or stall of
 any rank stops the whole job within ``job.timeout_s``: all children are killed and the
 parent raises :class:`WorkerFailed` naming the rank with its original traceback.
 """
@@ -16,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import cloudpickle
 import torch
 
 from piper_plugin.runtime.job import Job
@@ -48,12 +52,19 @@ def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _child(rank: int, job: Job, program, plan, port: int, out: mp.Queue, body: Callable | None) -> None:
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["piper_plugin.runtime.launch.warm"])
+    return ctx
+
+
+def _child(rank: int, shipped: bytes, port: int, out: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local ranks talk over loopback only
     try:
         from piper_plugin.runtime.worker import Worker
 
+        job, program, plan, body = cloudpickle.loads(shipped)
         worker = Worker(rank, job, program, plan, init_method=f"tcp://127.0.0.1:{port}")
         if body is not None:
             out.put(("result", rank, _pack(body(worker))))
@@ -108,10 +119,11 @@ def _raise_first_cause(procs, finished, errors, out, grace_s: float = 1.0) -> No
 def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | None = None,
                body: Callable | None = None) -> dict[int, Any]:
     """Run ``job.steps`` steps on every rank of the plan, forked; returns each rank's result."""
-    ctx = mp.get_context("fork")
+    ctx = _context()
+    shipped = cloudpickle.dumps((job, program, plan, body))
     out: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, job, program, plan, port, out, body), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, shipped, port, out), daemon=True)
              for r in range(plan.grid.world_size)]
     for p in procs:
         p.start()
