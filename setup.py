@@ -23,6 +23,7 @@ setup(
         "megatron-core==0.16.1",
         "ray[default]>=2.60,<3",
         "tyro>=1.0",
+        "cloudpickle>=2",
         "matplotlib>=3.8",
     ],
     extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
