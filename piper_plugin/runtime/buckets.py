@@ -26,7 +26,7 @@ class FlatBucket:
         self.padded = -(-self.numel // self.n) * self.n
         self.shard_numel = self.padded // self.n
         dtype = params[0].dtype
-        self.flat = torch.zeros(self.padded, dtype=dtype)
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
         offset = 0
         with torch.no_grad():
             for p in params:
@@ -63,7 +63,7 @@ class FlatBucket:
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
         """This rank's accumulated gradient as one padded flat tensor (``take`` clears p.grad)."""
-        out = torch.zeros(self.padded, dtype=self.flat.dtype)
+        out = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
         offset = 0
         for p in self.params:
             if p.grad is not None:

@@ -37,8 +37,9 @@ def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class DistComm:
-    def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float):
-        self.plan, self.rank, self.specs = plan, rank, specs
+    def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float,
+                 device: torch.device = torch.device("cpu")):
+        self.plan, self.rank, self.specs, self.device = plan, rank, specs, device
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         self.sends: list = []  # (work, tensor): a SEND never blocks its stream (buffered, as simulated)
         timeout = timedelta(seconds=timeout_s)
@@ -79,7 +80,7 @@ class DistComm:
                 if not spec.is_tensor:
                     out[name] = spec.constant
                     continue
-                out[name] = spec.empty()
+                out[name] = spec.empty(self.device)
                 dist.recv(out[name], src=src, group=group)
             comm_ops.absorb(state, node, out)
         else:
@@ -93,21 +94,21 @@ def _collective(node: Node, x: torch.Tensor, n: int, group) -> torch.Tensor:
         dist.all_reduce(x, group=group)
         return x
     if node.kind == Kind.REDUCE_SCATTER:
-        out = torch.empty(x.numel() // n, dtype=x.dtype)
+        out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
         dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
     if node.kind == Kind.ALL_GATHER:
-        out = torch.empty(x.numel() * n, dtype=x.dtype)
+        out = torch.empty(x.numel() * n, dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
     x = x.contiguous()  # gradients from autograd.grad may come permuted
     if comm_ops.is_dispatch(node):  # [E, C, D] -> [E/n, n*C, D]
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dist.all_to_all_single(out, x, group=group)
         e, c = x.shape[0] // n, x.shape[1]
         return out.view(n, e, c, *x.shape[2:]).transpose(0, 1).reshape(e, n * c, *x.shape[2:])
     e, c = x.shape[0], x.shape[1] // n  # combine: [E/n, n*C, D] -> [E, C, D]
     send = x.view(e, n, c, *x.shape[2:]).transpose(0, 1).contiguous()
-    out = torch.empty(send.shape, dtype=send.dtype)
+    out = torch.empty(send.shape, dtype=send.dtype, device=send.device)
     dist.all_to_all_single(out, send, group=group)
     return out.reshape(n * e, c, *x.shape[2:])

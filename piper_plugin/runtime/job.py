@@ -34,6 +34,7 @@ class Job:
     timeout_s: float = 60.0
     lr_scheduler_fn: Callable[[torch.optim.Optimizer], object] | None = None
     capture_grads: bool = False
+    device: str = "cpu"  # "cuda": each rank uses GPU LOCAL_RANK with NCCL; "cpu": gloo
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)

@@ -52,6 +52,7 @@ class RankState:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self._build_buckets(named, optimizer_fn)
         self._drop_foreign(model, named)
+        self.device = next(iter(named.values())).device if named else torch.device("cpu")
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -102,14 +103,14 @@ class RankState:
         local = {id(p) for c in self.chunks.values() for p in c.parameters()}
         for p in named.values():
             if id(p) not in local:
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def set_batch(self, inputs: dict[str, torch.Tensor]) -> None:
         """This rank's data shard of the global batch, cut into microbatches."""
         grid, m = self.plan.grid, self.plan.microbatches
         self.inputs = {}
         for name, full in inputs.items():
-            shard = full.chunk(grid.data_shards)[self.shard_index]
+            shard = full.chunk(grid.data_shards)[self.shard_index].to(self.device, non_blocking=True)
             self.inputs[name] = list(shard.chunk(m))
         self.losses = []
 
@@ -134,6 +135,10 @@ class RankState:
     def take(self, key: str) -> dict[str, torch.Tensor]:
         with self._lock:
             box = self.inbox.pop(key, {})
+        if self.device.type == "cuda":  # made on another stream: keep its memory until this one is done
+            for t in box.values():
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(torch.cuda.current_stream(self.device))
         self.meter.add(-sum(_nbytes(t) for t in box.values()))
         return box
 

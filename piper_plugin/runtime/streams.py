@@ -1,8 +1,10 @@
-"""Logical streams on the CPU: one thread per stream, an event per task.
+"""Logical streams: one host thread per stream, an event per task; on a GPU also one CUDA
+stream per logical stream.
 
 A task waits only for its dependencies on *other* streams (same-stream order is the list
 order); torch ops and gloo release the GIL, so communication on one thread overlaps
-compute on another. The first failure aborts the step: every thread stops at its next
+compute on another. On a GPU each thread issues work on its own CUDA stream, and a CUDA
+event is recorded and waited on only where a dependency crosses streams. The first failure aborts the step: every thread stops at its next
 wait and the caller gets the original exception with the rank and task named. Waits are
 bounded by ``timeout_s``.
 """
@@ -30,11 +32,14 @@ class TaskFailed(RuntimeError):
 
 class StreamRunner:
     def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], None], timeout_s: float,
-                 describe: Callable[[str], str] = lambda key: ""):
+                 describe: Callable[[str], str] = lambda key: "", device: torch.device = torch.device("cpu")):
         self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
-        self.describe = describe
+        self.describe, self.device = describe, device
         self.cross = {k: tuple(d for d in deps if not self._same_stream(k, d)) for k, deps in plan.deps.items()}
         self.timeline: list[tuple[str, str, float, float]] = []
+        self.cuda = device.type == "cuda"
+        self.cuda_streams = {s: torch.cuda.Stream(device) for s in plan.streams} if self.cuda else {}
+        self.crossed = {d for deps in self.cross.values() for d in deps}  # tasks that need an event
 
     def _same_stream(self, a: str, b: str) -> bool:
         return self._stream_of(a) == self._stream_of(b)
@@ -56,10 +61,14 @@ class StreamRunner:
             return "; ".join(f"{s}: {h}" for s, h in sorted(heads.items()))
 
         threads_per_op = torch.get_num_threads()
+        cuda_events: dict[str, torch.cuda.Event] = {}
 
         def run(stream: str, keys: list[str]) -> None:
             key = ""
             torch.set_num_threads(threads_per_op)  # OpenMP's setting is per thread: carry it over
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(self.cuda_streams[stream])
             try:
                 for key in keys:
                     for dep in self.cross[key]:
@@ -70,11 +79,17 @@ class StreamRunner:
                             if time.monotonic() > deadline:
                                 raise TimeoutError(f"waited more than {self.timeout_s:.0f}s for {dep}"
                                                    f"{self.describe(dep)}; streams: {report()}")
+                    if self.cuda:
+                        for dep in self.cross[key]:
+                            torch.cuda.current_stream().wait_event(cuda_events[dep])
                     detail = self.describe(key)  # comm names its peers; compute names nobody
                     heads[stream] = f"in {key}{detail}" if detail else f"computing {key}"
                     start = time.perf_counter()
                     self.execute(key)
                     timeline.append((stream, key, start, time.perf_counter()))
+                    if self.cuda and key in self.crossed:
+                        cuda_events[key] = torch.cuda.Event()
+                        cuda_events[key].record()
                     done[key].set()
                 heads[stream] = "finished"
             except BaseException as exc:  # noqa: BLE001 - reported with its traceback
@@ -96,4 +111,6 @@ class StreamRunner:
                 failure.append(TaskFailed(f"rank {self.rank}: step did not finish within {self.timeout_s:.0f}s"))
         if failure:
             raise failure[0]
+        for cuda_stream in self.cuda_streams.values():
+            cuda_stream.synchronize()
         self.timeline = timeline

@@ -28,8 +28,8 @@ class ValueSpec:
     def is_tensor(self) -> bool:
         return self.shape is not None
 
-    def empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype)
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 def probe_values(program: Program, model: nn.Module, loss_fn: Callable, microbatch: dict[str, torch.Tensor]) -> dict[str, ValueSpec]:

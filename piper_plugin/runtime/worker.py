@@ -7,6 +7,7 @@ the metrics: loss (the global mean, on last-stage ranks), step time, tokens/s an
 """
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -32,10 +33,12 @@ class Worker:
     def __init__(self, rank: int, job: Job, program: Program, plan: Plan, init_method: str | None = None):
         self.rank, self.job, self.plan = rank, job, plan
         torch.set_num_threads(1)
+        self.device = _device(job.device, rank)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=plan.grid.world_size,
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.grid.world_size,
                                     timeout=timedelta(seconds=job.timeout_s))
-        model = job.build_model()
+        model = job.build_model().to(self.device)  # initialised on the CPU like single-device runs
         self.state = RankState(rank, plan, program, model, job.loss_fn, job.optimizer_fn)
         self.state.snapshot_grads = job.capture_grads
         self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
@@ -46,8 +49,9 @@ class Worker:
                  for name, t in zip(program.input_names, first)}
         with torch.device("meta"):
             meta_model = job.model_fn()
-        self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s)
-        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe)
+        self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s,
+                             self.device)
+        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device)
         self.loss_group = self._loss_group(program)
         self.step_index = 0
 
@@ -79,6 +83,8 @@ class Worker:
         batch = next(self.data)
         self.state.set_batch(dict(zip(self.state.input_names, batch)))
         self.state.meter.reset_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         self.runner.run_step()
         self.comm.wait_sends()
@@ -87,13 +93,19 @@ class Worker:
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {"step": self.step_index, "rank": self.rank, "step_time_s": elapsed,
                                    "tokens_per_s": self.tokens_per_step / elapsed,
-                                   "peak_memory_bytes": self.kept_bytes() + self.state.meter.peak}
+                                   "peak_memory_bytes": self.peak_memory()}
         if self.loss_group is not None:
             loss = torch.stack(self.state.losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
             metrics["loss"] = loss.item()
         self.step_index += 1
         return metrics
+
+    def peak_memory(self) -> int:
+        """The allocator's own peak on a GPU; kept state plus the measured transient peak on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.kept_bytes() + self.state.meter.peak
 
     def kept_bytes(self) -> int:
         """Parameters, gradients and optimizer state this rank keeps across steps."""
@@ -107,3 +119,13 @@ class Worker:
             for per_param in optimizer.state.values():
                 tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return tensor_bytes(tensors)
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"device {kind!r} is not available here; use 'cpu'" if kind == "cuda"
+                         else f"unknown device {kind!r}; use 'cpu' or 'cuda'")
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local)
