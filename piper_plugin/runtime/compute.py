@@ -83,6 +83,7 @@ def _backward_input(state: RankState, node: Node) -> None:
 
 def _backward_weight(state: RankState, node: Node) -> None:
     key = (node.region, node.microbatch)
+    state.take(node.key)  # BI already read these gradients; drop BW's copies
     outs, grads = state.pending_bw.pop(key)
     del state.saved[key]
     params = [p for p in state.chunks[node.region].parameters() if p.requires_grad]

@@ -56,7 +56,8 @@ class MemoryMeter:
 
     def saved_tensor_hooks(self):
         def pack(t: torch.Tensor):
-            if id(t) in self._params or t.device.type == "meta":
+            base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+            if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
                 return t
             held = _Held(t)
             storage = t.untyped_storage()
