@@ -13,15 +13,26 @@ TINY_LM = ["--dim", "32", "--layers", "4", "--heads", "4", "--ffn", "64", "--voc
            "--batch", "8", "--microbatches", "4"]
 
 
+def _tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of ``text``, as rows of cells (header and rule left out)."""
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif block:
+            tables.append(block[2:])
+            block = []
+    return tables
+
+
 def _table_rows(text: str) -> list[list[str]]:
-    lines = [line for line in text.splitlines() if line.startswith("|")]
-    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]  # past header + rule
+    return _tables(text)[0]
 
 
 def test_pipelining_ab_smoke(tmp_path, capsys):
     out = tmp_path / "ab.md"
     summary = pipelining_ab.main(TINY_LM + ["--rounds", "1", "--warmup", "0", "--steps", "1", "--quiet-wait", "0",
-                                           "--out", str(out)])
+                                           "--split-reps", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert printed.startswith("python -m benchmarks.pipelining_ab ")
     text = out.read_text()
@@ -29,6 +40,8 @@ def test_pipelining_ab_smoke(tmp_path, capsys):
     rows = _table_rows(text)
     assert [r[0] for r in rows] == ["gpipe", "1f1b", "interleaved-1f1b", "dualpipev"]
     assert [r[1] for r in rows] == ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV"]
+    split = _tables(text)[1]  # the cost of a split backward, three ways
+    assert [r[0].split()[0] for r in split] == ["one", "Piper", "torch"]
     for recipe, s in summary.items():
         assert s["piper_s"] > 0 and s["torch_s"] > 0 and s["ratio"] > 0, recipe
         # same weights, same data: both engines see the same first loss

@@ -112,3 +112,19 @@ def test_plan_export_lists_every_task():
     data = plan.to_json()
     assert sum(len(k) for r in data["ranks"] for k in r["streams"].values()) == sum(len(rp.deps) for rp in plan.ranks)
     assert set(data["nodes"]) == set(plan.dag.nodes)
+
+
+def test_plan_hash_does_not_depend_on_the_process():
+    """SPMD ranks compile independently; Python's per-process hash seed must not leak in."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from test_scheduler import _plan; "
+            "print(_plan('dualpipev', dp=2, zero=3).hash())")
+    hashes = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=os.path.dirname(__file__))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        hashes.add(out.stdout.strip().splitlines()[-1])
+    assert len(hashes) == 1 and _plan("dualpipev", dp=2, zero=3).hash() in hashes

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from piper_plugin.api.annotate import current_tags, module_tags
-from piper_plugin.ir.graph import DAG, Region
+from piper_plugin.ir.graph import DAG, Region, gc_paused
 from piper_plugin.ir.nodes import Kind, Node
 
 __all__ = ["Program", "capture", "CaptureError"]
@@ -267,6 +267,12 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inpu
 
     The model may live on the meta device. The leading dim of the inputs is the batch.
     """
+    with gc_paused():
+        return _capture(model, loss_fn, example_inputs, example_target)
+
+
+def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inputs: Sequence[Any],
+             example_target: torch.Tensor) -> Program:
     root = _Training(model, loss_fn)
     tracer = _TaggingTracer()
     try:
@@ -338,6 +344,7 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], root_type: str, batch: int)
         for node in nodes:
             owner[node] = name
     params = dict(gm.named_parameters())
+    param_names = set(params)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     loss_node = output_node.args[0]
     graphs: dict[str, fx.Graph] = {}
@@ -345,7 +352,7 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], root_type: str, batch: int)
     users_of_param: dict[str, list[str]] = {}
     producer: dict[str, str] = {}
     for index, ((tags, nodes), name) in enumerate(zip(runs, names)):
-        graph, inputs, outputs, region_params = _region_graph(gm, nodes, owner, name, loss_node)
+        graph, inputs, outputs, region_params = _region_graph(gm, nodes, owner, name, loss_node, param_names)
         for p in region_params:
             users_of_param.setdefault(p, []).append(name)
         for value in outputs:
@@ -367,15 +374,15 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], root_type: str, batch: int)
                    loss_region=owner[loss_node], dag=dag, root_type=root_type, tied=tied)
 
 
-def _module_params(gm: fx.GraphModule, node: fx.Node) -> list[str]:
+def _module_params(gm: fx.GraphModule, node: fx.Node, param_names: set[str]) -> list[str]:
     if node.op == "call_module":
         return [f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()]
     if node.op == "get_attr":
-        return [node.target] if node.target in dict(gm.named_parameters()) else []
+        return [node.target] if node.target in param_names else []
     return []
 
 
-def _region_graph(gm, nodes, owner, name, loss_node):
+def _region_graph(gm, nodes, owner, name, loss_node, param_names):
     """Copy one region's ops into its own graph: other regions' values become placeholders."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -387,7 +394,7 @@ def _region_graph(gm, nodes, owner, name, loss_node):
             return env[arg]
         if arg.op == "get_attr":
             env[arg] = graph.get_attr(arg.target)
-            params.extend(_module_params(gm, arg))
+            params.extend(_module_params(gm, arg, param_names))
         else:  # a model input or another region's value
             env[arg] = graph.placeholder(arg.name)
             inputs.append(arg.name)
@@ -399,10 +406,11 @@ def _region_graph(gm, nodes, owner, name, loss_node):
             if arg not in member:
                 lookup(arg)
         env[node] = graph.node_copy(node, lambda a: env[a])
-        params.extend(_module_params(gm, node))
+        params.extend(_module_params(gm, node, param_names))
     outputs = [n.name for n in nodes
                if n is loss_node or any(u not in member and u.op != "output" for u in n.users)]
-    graph.output(tuple(env[n] for n in nodes if n.name in outputs))
+    exported = set(outputs)
+    graph.output(tuple(env[n] for n in nodes if n.name in exported))
     graph.lint()
     return graph, tuple(inputs), tuple(outputs), tuple(dict.fromkeys(params))
 

@@ -208,12 +208,16 @@ class DAG:
         while ready:
             key = ready.pop()
             seen += 1
-            for table in (data_succ, temporal_succ):
-                for succ in table[key]:
-                    left = indegree[succ] - 1
-                    indegree[succ] = left
-                    if not left:
-                        ready.append(succ)
+            for succ in data_succ[key]:
+                left = indegree[succ] - 1
+                indegree[succ] = left
+                if not left:
+                    ready.append(succ)
+            for succ in temporal_succ[key]:
+                left = indegree[succ] - 1
+                indegree[succ] = left
+                if not left:
+                    ready.append(succ)
         return seen == len(self.nodes)
 
     def _find_cycle(self, candidates: set[str]) -> list[str]:

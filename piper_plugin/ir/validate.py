@@ -31,12 +31,21 @@ def validate(dag: DAG, grid: RankGrid, *, acyclic: bool = False) -> None:
             raise ValidationError(f"the DAG has a {exc}") from None
     needed = _inputs_from_other_regions(dag)
     groups: dict[tuple[str, tuple[int, ...]], list[tuple[int, ...]]] = {}
-    for key, node in dag.nodes.items():
+    grad_nodes: dict[str, list[str]] = {}  # per region: the nodes whose output is its gradient
+    nodes, data_pred, regions = dag.nodes, dag.data_pred, dag.regions
+    F, B, BI, BW, SEND, RECV = Kind.F, Kind.B, Kind.BI, Kind.BW, Kind.SEND, Kind.RECV
+    for key, node in nodes.items():
         kind = node.kind
-        if kind == Kind.F:
-            _check_inputs(dag, key, needed[node.region])
-        elif kind in _P2P:
-            _check_peer(dag, key)
+        if kind == F:
+            wanted = needed[node.region]
+            if wanted:
+                _check_inputs(key, wanted, data_pred[key])
+        elif kind == SEND or kind == RECV:
+            peer = nodes.get(node.peer or "")
+            if peer is None or peer.peer != key or peer.microbatch != node.microbatch:
+                raise ValidationError(f"{key} has no matching peer (peer={node.peer!r})")
+            if kind == SEND and peer.kind != RECV:
+                raise ValidationError(f"{key} must pair with a RECV, not {peer.key}")
         elif kind in COLLECTIVES:
             if not node.devices or node.axis is None:
                 raise ValidationError(f"collective {key} has no devices or no grid axis")
@@ -45,11 +54,13 @@ def validate(dag: DAG, grid: RankGrid, *, acyclic: bool = False) -> None:
                 cached = groups[(node.axis, node.devices)] = grid.groups(node.axis, node.devices)
             if sum(map(len, cached)) != len(node.devices):
                 raise ValidationError(f"collective {key}: groups {cached} do not cover {node.devices}")
+        if kind == B or kind == BW or (kind == BI and not regions[node.region].params):
+            if node.region in grad_nodes:
+                grad_nodes[node.region].append(key)
+            else:
+                grad_nodes[node.region] = [key]
     if "microbatches" in dag.meta:
-        _check_gradients(dag, grid)
-
-
-_P2P = (Kind.SEND, Kind.RECV)
+        _check_gradients(dag, grid, grad_nodes)
 
 
 def _inputs_from_other_regions(dag: DAG) -> dict[str, tuple[str, ...]]:
@@ -62,31 +73,16 @@ def _inputs_from_other_regions(dag: DAG) -> dict[str, tuple[str, ...]]:
             for name, r in dag.regions.items()}
 
 
-def _check_inputs(dag: DAG, key: str, needed: tuple[str, ...]) -> None:
-    if not needed:
-        return
-    preds = dag.data_pred[key].values()
-    arriving = {v for values in preds for v in values}
-    missing = [v for v in needed if v not in arriving]
-    if missing:
-        raise ValidationError(f"{key} needs values {missing} but no data edge brings them")
+def _check_inputs(key: str, needed: tuple[str, ...], preds: dict[str, tuple[str, ...]]) -> None:
+    for v in needed:
+        if not any(v in values for values in preds.values()):
+            arriving = {v for values in preds.values() for v in values}
+            missing = [v for v in needed if v not in arriving]
+            raise ValidationError(f"{key} needs values {missing} but no data edge brings them")
 
 
-def _check_peer(dag: DAG, key: str) -> None:
-    node = dag.nodes[key]
-    peer = dag.nodes.get(node.peer or "")
-    if peer is None or peer.peer != key or peer.microbatch != node.microbatch:
-        raise ValidationError(f"{key} has no matching peer (peer={node.peer!r})")
-    if node.kind == Kind.SEND and peer.kind != Kind.RECV:
-        raise ValidationError(f"{key} must pair with a RECV, not {peer.key}")
-
-
-def _check_gradients(dag: DAG, grid: RankGrid) -> None:
+def _check_gradients(dag: DAG, grid: RankGrid, grad_nodes: dict[str, list[str]]) -> None:
     sharded = dag.meta.get("sharded", {})
-    grad_nodes: dict[str, list[str]] = {}
-    for key, node in dag.nodes.items():
-        if node.kind in (Kind.B, Kind.BW) or (node.kind == Kind.BI and not dag.regions[node.region].params):
-            grad_nodes.setdefault(node.region, []).append(key)
     for region, params in dag.meta.get("update_params", {}).items():
         if not params:
             continue
@@ -100,12 +96,21 @@ def _check_gradients(dag: DAG, grid: RankGrid) -> None:
             raise ValidationError(
                 f"gradients of region {region} are not reduced over its {replicas} replicas "
                 f"(ranks {devices}): add replicate('region={region}') or replicate('*')")
+        by_bucket = {key: _reductions(dag, key) for key in grad_nodes[region]}  # one pass per node
         for bucket in buckets:
             for key in grad_nodes[region]:
-                reductions = [s for s, values in dag.data_succ[key].items()
-                              if "grads" in values and dag.nodes[s].bucket == bucket.index
-                              and dag.nodes[s].kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER)]
+                reductions = by_bucket[key].get(bucket.index, [])
                 if len(reductions) != 1:
                     raise ValidationError(
                         f"bucket {bucket.index} of region {region}: {key}'s gradient reaches "
                         f"{len(reductions)} reductions ({reductions}); it must reach exactly one")
+
+
+def _reductions(dag: DAG, key: str) -> dict[int | None, list[str]]:
+    """The reductions ``key``'s gradient reaches, per bucket index."""
+    out: dict[int | None, list[str]] = {}
+    for s, values in dag.data_succ[key].items():
+        node = dag.nodes[s]
+        if "grads" in values and node.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER):
+            out.setdefault(node.bucket, []).append(s)
+    return out

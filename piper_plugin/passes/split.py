@@ -51,22 +51,21 @@ def split(dag: DAG, microbatches: int, data_shards: int, split_backward: bool) -
     return out
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(Node) if f.init)
-# A plain dataclass (every field in __init__, no __post_init__, no slots): a copy of the
-# instance dict is what dataclasses.replace builds, without its per-call introspection.
-_PLAIN = (len(_FIELDS) == len(dataclasses.fields(Node)) and not hasattr(Node, "__post_init__")
-          and "__slots__" not in vars(Node))
+def _make_clone():
+    """``dataclasses.replace`` for :class:`Node`, without its per-call field introspection.
+
+    Generated from the dataclass fields (as dataclasses generates ``__init__``), so a field
+    added to Node is copied too; each clone is built by ``Node.__init__``.
+    """
+    names = [f.name for f in dataclasses.fields(Node) if f.init]
+    params = ", ".join(f"{n}=_KEEP" for n in names)
+    args = ", ".join(f"{n}=node.{n} if {n} is _KEEP else {n}" for n in names)
+    scope = {"Node": Node, "_KEEP": object()}
+    exec(f"def _clone(node, *, {params}):\n    return Node({args})\n", scope)  # noqa: S102
+    return scope["_clone"]
 
 
-def _clone(node: Node, **changes) -> Node:
-    """``dataclasses.replace(node, **changes)``, faster."""
-    if not _PLAIN:
-        return dataclasses.replace(node, **changes)
-    clone = object.__new__(Node)
-    fields = clone.__dict__
-    fields.update(node.__dict__)
-    fields.update(changes)
-    return clone
+_clone = _make_clone()
 
 
 def _connect(dag: DAG, srcs: list[str], dsts: list[str], src_mb: bool, dst_mb: bool, values) -> None:

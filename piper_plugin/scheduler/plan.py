@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from piper_plugin.ir.graph import DAG, gc_paused
-from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.ir.nodes import COMPUTE, Kind, Node
 from piper_plugin.ir.rank_grid import RankGrid
 
 __all__ = ["Plan", "RankPlan", "build_plan", "PlanError"]
@@ -131,16 +131,11 @@ def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
     """
     nodes, data_succ, temporal_succ = dag.nodes, dag.data_succ, dag.temporal_succ
     data_pred, temporal_pred = dag.data_pred, dag.temporal_pred
-    index: dict[str, int] = {}
-    indegree: dict[str, int] = {}
-    heap: list[tuple[float, int]] = []
-    for i, key in enumerate(nodes):
-        index[key] = i
-        deg = indegree[key] = len(data_pred[key]) + len(temporal_pred[key])
-        if not deg:
-            heap.append((0.0, i))  # ascending: a heap
     keys = list(nodes)
-    start = dict.fromkeys(nodes, 0.0)
+    index = {key: i for i, key in enumerate(keys)}
+    indegree = {key: len(data_pred[key]) + len(temporal_pred[key]) for key in keys}
+    heap = [(0.0, i) for i, key in enumerate(keys) if not indegree[key]]  # ascending: a heap
+    start = dict.fromkeys(keys, 0.0)
     push, pop = heapq.heappush, heapq.heappop
     order: list[str] = []
     append = order.append
@@ -148,15 +143,21 @@ def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
         t, i = pop(heap)
         key = keys[i]
         append(key)
-        done = t + 1.0 if nodes[key].is_compute else t
-        for table in (data_succ, temporal_succ):
-            for succ in table[key]:
-                if start[succ] < done:
-                    start[succ] = done
-                left = indegree[succ] - 1
-                indegree[succ] = left
-                if not left:
-                    push(heap, (start[succ], index[succ]))
+        done = t + 1.0 if nodes[key].kind in COMPUTE else t
+        for succ in data_succ[key]:
+            if start[succ] < done:
+                start[succ] = done
+            left = indegree[succ] - 1
+            indegree[succ] = left
+            if not left:
+                push(heap, (start[succ], index[succ]))
+        for succ in temporal_succ[key]:
+            if start[succ] < done:
+                start[succ] = done
+            left = indegree[succ] - 1
+            indegree[succ] = left
+            if not left:
+                push(heap, (start[succ], index[succ]))
     if len(order) != len(nodes):
         dag.topological_order()  # raises CycleError naming a cycle
     return order, start
@@ -200,34 +201,44 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
         raise PlanError(f"P2P alignment is impossible: a receiver needs messages in another order "
                         f"than its sender sends them ({exc})") from None
     nodes, data_pred, temporal_pred = dag.nodes, dag.data_pred, dag.temporal_pred
-    device_sets: dict[tuple[int, ...], frozenset[int]] = {}
-
-    def device_set(devices: tuple[int, ...]) -> frozenset[int]:
-        got = device_sets.get(devices)
-        if got is None:
-            got = device_sets[devices] = frozenset(devices)
-        return got
-
-    for key in order:
-        preds = temporal_pred[key]
-        if preds:
-            devices = device_set(nodes[key].devices)
-            for pred in preds:
-                if devices.isdisjoint(nodes[pred].devices):
-                    raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
-                                    f"only data (comm) edges may cross ranks")
     ranks = [RankPlan(r) for r in range(grid.world_size)]
+    unplaced = None  # reported after every order edge is checked
     for key in order:
         node = nodes[key]
-        if not node.devices:
-            raise PlanError(f"node {key} has no devices: place its region")
-        preds = [(p, device_set(nodes[p].devices)) for p in data_pred[key]]
-        preds += [(p, device_set(nodes[p].devices)) for p in temporal_pred[key]]
-        for r in node.devices:
+        devices = node.devices
+        temporal = temporal_pred[key]
+        if len(devices) == 1:  # the common case: every order edge into it comes from its rank
+            r = devices[0]
+            for pred in temporal:
+                if r not in nodes[pred].devices:
+                    raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
+                                    f"only data (comm) edges may cross ranks")
+            deps = [p for p in data_pred[key] if r in nodes[p].devices]
+            if temporal:
+                deps.extend(sorted(temporal))  # sets iterate in hash order: sort for a stable plan hash
             rp = ranks[r]
             stream = rp.streams.get(node.stream)
             if stream is None:
                 stream = rp.streams[node.stream] = []
             stream.append(key)
-            rp.deps[key] = tuple(p for p, devices in preds if r in devices)
+            rp.deps[key] = tuple(deps)
+            continue
+        for pred in temporal:
+            if not any(r in devices for r in nodes[pred].devices):
+                raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
+                                f"only data (comm) edges may cross ranks")
+        if not devices:
+            unplaced = unplaced or key
+            continue
+        preds = [(p, nodes[p].devices) for p in data_pred[key]]
+        preds += [(p, nodes[p].devices) for p in sorted(temporal)]
+        for r in devices:
+            rp = ranks[r]
+            stream = rp.streams.get(node.stream)
+            if stream is None:
+                stream = rp.streams[node.stream] = []
+            stream.append(key)
+            rp.deps[key] = tuple(p for p, on in preds if r in on)
+    if unplaced is not None:
+        raise PlanError(f"node {unplaced} has no devices: place its region")
     return Plan(grid=grid, dag=dag, order=order, ranks=ranks)

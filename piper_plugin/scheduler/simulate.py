@@ -92,11 +92,9 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
     heap: list[tuple[float, int, int, str]] = []
     counter = itertools.count(1)
     heappush, heappop = heapq.heappush, heapq.heappop
-    # Per rank: stream -> its tasks, position of its head, when it is free; task -> local
-    # deps left, local users, finish time; tasks already handed to the event heap.
-    streams = [rp.streams for rp in plan.ranks]
-    pos = [dict.fromkeys(rp.streams, 0) for rp in plan.ranks]
-    stream_free = [dict.fromkeys(rp.streams, 0.0) for rp in plan.ranks]
+    # Per rank: stream -> [its tasks, position of its head, when it is free]; task -> local
+    # deps left (-1 once handed to the event heap), local users, finish time.
+    streams = [{s: [keys, 0, 0.0] for s, keys in rp.streams.items()} for rp in plan.ranks]
     deps = [rp.deps for rp in plan.ranks]
     left = [{k: len(d) for k, d in rp.deps.items()} for rp in plan.ranks]
     users: list[dict[str, list[str]]] = [{} for _ in range(world)]
@@ -109,15 +107,16 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
                 else:
                     users_r[d] = [k]
     end: list[dict[str, float]] = [{} for _ in range(world)]
-    queued: list[set[str]] = [set() for _ in range(world)]
     compute_free = [0.0] * world
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
     timeline = []
     memory = _Memory(plan, shards)
+    on_task = memory.on_task
     placement = dag.meta.get("placement", {})
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
-    peer_rank: dict[tuple[int, str], int] = {}
+    peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
+    RECV, SEND, UPDATE = Kind.RECV, Kind.SEND, Kind.UPDATE
 
     def group(node, r: int) -> tuple[int, ...]:
         """The group of ``node``'s collective that holds rank ``r``."""
@@ -129,30 +128,29 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
                     by_rank.setdefault(member, g)
         return by_rank[r]
 
-    def peer_of(r: int, node) -> int:
+    def peer_of(r: int, key: str, node) -> int:
         """The rank on the other side of a SEND / RECV ``node`` on rank ``r``."""
-        got = peer_rank.get((r, node.peer))
+        got = peer_rank[r].get(key)
         if got is None:
-            got = peer_rank[(r, node.peer)] = grid.peer(r, placement[nodes[node.peer].region])
+            got = peer_rank[r][key] = grid.peer(r, placement[nodes[node.peer].region])
         return got
 
-    def try_head(r: int, stream: str) -> None:
-        keys = streams[r][stream]
-        i = pos[r][stream]
+    def try_head(r: int, state: list) -> None:
+        keys, i, t = state
         if i >= len(keys):
             return
         key = keys[i]
-        if left[r][key] or key in queued[r]:
+        left_r = left[r]
+        if left_r[key]:  # deps left, or already queued (-1)
             return
-        node = nodes[key]
-        t = stream_free[r][stream]
         end_r = end[r]
         for d in deps[r][key]:
             if end_r[d] > t:
                 t = end_r[d]
+        node = nodes[key]
         kind = node.kind
-        if kind == Kind.RECV:
-            sent = end[peer_of(r, node)].get(node.peer)
+        if kind == RECV:
+            sent = end[peer_of(r, key, node)].get(node.peer)
             if sent is None:
                 return
             if sent > t:
@@ -161,57 +159,66 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
             members = group(node, r)
             got = arrivals.setdefault((key, members), {})
             got[r] = t
-            queued[r].add(key)
+            left_r[key] = -1
             if len(got) == len(members):
                 start = max(got.values())
                 for member in members:
                     heappush(heap, (start, next(counter), member, key))
             return
-        queued[r].add(key)
+        left_r[key] = -1
         heappush(heap, (t, next(counter), r, key))
 
     for r in range(world):
-        for s in plan.ranks[r].streams:
-            try_head(r, s)
+        for state in streams[r].values():
+            try_head(r, state)
     done = 0
     total = sum(len(rp.deps) for rp in plan.ranks)
     while heap:
         t, _, r, key = heappop(heap)
         node = nodes[key]
+        kind = node.kind
         if node.is_compute:
-            start = t if t >= compute_free[r] else compute_free[r]
-            if start > t:
-                heappush(heap, (start, next(counter), r, key))
+            free = compute_free[r]
+            if free > t:
+                heappush(heap, (free, next(counter), r, key))
                 continue
+            start = t
             duration = cost.compute(dag, node)
             compute_free[r] = start + duration
-            busy[r] += duration if node.kind != Kind.UPDATE else 0.0
+            if kind != UPDATE:
+                busy[r] += duration
         else:
             start = t
             size = len(group(node, r)) if node.axis else 2
-            duration = 0.0 if node.kind == Kind.RECV else cost.comm(node, size)
+            duration = 0.0 if kind == RECV else cost.comm(node, size)
         finish = start + duration
         stream = node.stream
         end[r][key] = finish
         timeline.append((r, stream, key, start, finish))
-        memory.on_task(r, key, start, finish)
-        stream_free[r][stream] = finish
-        pos[r][stream] += 1
+        on_task(r, key, start, finish)
+        streams_r = streams[r]
+        state = streams_r[stream]
+        state[1] += 1
+        state[2] = finish
         done += 1
-        touched = {stream}
-        left_r = left[r]
-        for u in users[r].get(key, ()):
-            left_r[u] -= 1
-            touched.add(nodes[u].stream)
-        for s in touched:
-            try_head(r, s)
-        if node.kind == Kind.SEND:
-            try_head(peer_of(r, node), nodes[node.peer].stream)
+        waiting = users[r].get(key)
+        if waiting:
+            touched = {stream}
+            left_r = left[r]
+            for u in waiting:
+                left_r[u] -= 1
+                touched.add(nodes[u].stream)
+            for s in touched:
+                try_head(r, streams_r[s])
+        else:
+            try_head(r, state)
+        if kind == SEND:
+            dst = peer_of(r, key, node)
+            try_head(dst, streams[dst][nodes[node.peer].stream])
     if done != total:
         heads = []
-        for r, s in sorted((r, s) for r in range(world) for s in pos[r]):
-            keys = streams[r][s]
-            i = pos[r][s]
+        for r, s in sorted((r, s) for r in range(world) for s in streams[r]):
+            keys, i, _ = streams[r][s]
             if i < len(keys):
                 heads.append(f"rank {r} {s}: {keys[i]}")
         raise DeadlockError("plan deadlocks; blocked stream heads: " + "; ".join(heads[:16]))
@@ -229,28 +236,46 @@ class _Memory:
 
     def __init__(self, plan: Plan, shards: int):
         self.plan, self.shards = plan, shards
-        self.events: list[list[tuple[float, int]]] = [[] for _ in range(plan.grid.world_size)]
-        self.waiting: dict[tuple[int, str], tuple[int, set[str]]] = {}
-        self.released_by: dict[tuple[int, str], list[str]] = {}
+        world = plan.grid.world_size
+        self.events: list[list[tuple[float, int]]] = [[] for _ in range(world)]
+        self.waiting: list[dict[str, tuple[int, set[str]]]] = [{} for _ in range(world)]
+        self.released_by: list[dict[str, list[str]]] = [{} for _ in range(world)]
+        self.held: dict[str, int] = {}  # per node: the same on every rank it runs on
+        # Kinds that never hold a buffer (see _held_bytes) skip the per-node computation.
+        self.holding = {Kind.F, Kind.ALL_GATHER, Kind.RECV}
+        if any(level >= 2 for level in plan.dag.meta.get("replicated", {}).values()):
+            self.holding |= {Kind.B, Kind.BW}
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
-        events = self.events[r]
-        held = _held_bytes(self.plan, self.plan.dag.nodes[key], self.shards)
-        if held:
-            consumers = _consumers(self.plan, r, key)
-            events.append((start, held))
-            if consumers:
-                self.waiting[(r, key)] = (held, set(consumers))
-                for c in consumers:
-                    self.released_by.setdefault((r, c), []).append(key)
-            else:
-                events.append((finish, -held))
-        for producer in self.released_by.pop((r, key), []):
-            nbytes, left = self.waiting[(r, producer)]
-            left.discard(key)
-            if not left:
-                events.append((finish, -nbytes))
-                del self.waiting[(r, producer)]
+        node = self.plan.dag.nodes[key]
+        if node.kind in self.holding:
+            held = self.held.get(key)
+            if held is None:
+                held = self.held[key] = _held_bytes(self.plan, node, self.shards)
+            if held:
+                events = self.events[r]
+                consumers = _consumers(self.plan, r, key)
+                events.append((start, held))
+                if consumers:
+                    self.waiting[r][key] = (held, set(consumers))
+                    released_by = self.released_by[r]
+                    for c in consumers:
+                        if c in released_by:
+                            released_by[c].append(key)
+                        else:
+                            released_by[c] = [key]
+                else:
+                    events.append((finish, -held))
+        producers = self.released_by[r].pop(key, None)
+        if producers:
+            events = self.events[r]
+            waiting = self.waiting[r]
+            for producer in producers:
+                nbytes, left = waiting[producer]
+                left.discard(key)
+                if not left:
+                    events.append((finish, -nbytes))
+                    del waiting[producer]
 
     def peaks(self) -> list[int]:
         out = []

@@ -1,0 +1,92 @@
+"""Config functions for ``python -m torchtitan.train --module piper_plugin.adapters.torchtitan``.
+
+Every stock TorchTitan config function is reachable here by its own name (``llama3_debugmodel``,
+``deepseek_v3_debugmodel``, ...): it returns the stock config as a ``PiperTrainer.Config`` (so
+``--parallelism.pipeline_engine`` and ``--piper.*`` parse), with the CPU fixes applied when there
+is no accelerator. Drop-in configs set the pipeline for a quick start.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from piper_plugin.adapters.torchtitan.trainer import PiperTrainer, to_piper_config
+
+__all__ = ["stock_config_fn", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
+           "llama3_debugmodel_pp2_gpipe", "deepseek_v3_debugmodel_pp2_1f1b"]
+
+# The model packages searched for stock config functions, in this order.
+_MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
+
+
+def stock_config_fn(name: str) -> Callable[[], object]:
+    """The stock TorchTitan config function ``name`` (searched in every model's config_registry)."""
+    for model in _MODELS:
+        if not name.startswith(model.split("_")[0]) and model not in ("llama3",):
+            continue
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except Exception:  # noqa: BLE001 - a model package that cannot import here
+            continue
+        fn = getattr(registry, name, None)
+        if callable(fn):
+            return fn
+    raise AttributeError(f"no TorchTitan config function named {name!r} (searched the config_registry "
+                         f"of {', '.join(_MODELS)})")
+
+
+def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
+    stock = stock_config_fn(name)
+
+    def config_fn() -> PiperTrainer.Config:
+        return to_piper_config(stock())
+
+    config_fn.__name__ = config_fn.__qualname__ = name
+    config_fn.__doc__ = f"TorchTitan's {name}, runnable with --parallelism.pipeline_engine piper."
+    return config_fn
+
+
+def __getattr__(name: str):
+    if name.startswith("_"):
+        raise AttributeError(name)
+    fn = _wrap(name)
+    globals()[name] = fn
+    return fn
+
+
+def _pp2(base: str, schedule: str, engine: str = "piper", **training) -> PiperTrainer.Config:
+    config = to_piper_config(stock_config_fn(base)())
+    config.parallelism.pipeline_parallel_degree = 2
+    config.parallelism.pipeline_parallel_schedule = schedule
+    config.parallelism.pipeline_engine = engine
+    config.training.seq_len = training.get("seq_len", 256)
+    config.training.local_batch_size = training.get("local_batch_size", 4)
+    config.training.steps = training.get("steps", 10)
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.activation_checkpoint = None  # no AC: the CPU is compute-bound, and DualPipeV needs none/full
+    return config
+
+
+def llama3_debugmodel_pp2_1f1b() -> PiperTrainer.Config:
+    """llama3 debug model, 2 pipeline ranks, 1F1B run by Piper (seq 256, batch 4, 4 microbatches)."""
+    return _pp2("llama3_debugmodel", "1F1B")
+
+
+def llama3_debugmodel_pp2_gpipe() -> PiperTrainer.Config:
+    return _pp2("llama3_debugmodel", "GPipe")
+
+
+def llama3_debugmodel_pp2_interleaved() -> PiperTrainer.Config:
+    """Interleaved 1F1B: 4 stages on 2 ranks (loop layout), run by Piper."""
+    return _pp2("llama3_debugmodel", "Interleaved1F1B")
+
+
+def llama3_debugmodel_pp2_dualpipev() -> PiperTrainer.Config:
+    """DualPipeV: 4 stages on 2 ranks in a V, run by Piper."""
+    return _pp2("llama3_debugmodel", "DualPipeV")
+
+
+def deepseek_v3_debugmodel_pp2_1f1b() -> PiperTrainer.Config:
+    """DeepSeek-V3 debug model (MoE, MLA), 2 pipeline ranks, 1F1B by Piper; seq 64, batch 2."""
+    return _pp2("deepseek_v3_debugmodel", "1F1B", seq_len=64, local_batch_size=2)

@@ -1,0 +1,160 @@
+"""``ModelSpec.pipelining_fn`` replacement: TorchTitan's stage split, Piper's schedule.
+
+Stage boundaries follow TorchTitan's own rules (``pipeline_parallel_layers_per_stage``,
+``module_fqns_per_model_part``, first/last stage weights); the recipe comes from
+``pipeline_parallel_schedule`` (or ``--piper.recipe``); which stages a rank holds comes from the
+compiled plan's placement (loop layout for 1F1B / GPipe / interleaved, V for ZBV / DualPipeV,
+exactly as TorchTitan places them). Every rank compiles the same plan and checks its hash.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import runpy
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchtitan.distributed.pipeline_parallel import (
+    _generate_llm_fqn_per_model_part, _get_pipeline_metadata, _split_module,
+)
+from torchtitan.tools.logging import logger
+
+from piper_plugin.api.errors import DirectiveError
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.recipes import RECIPES, apply_recipe
+from piper_plugin.runtime.launch.spmd import check_plan_hash
+from piper_plugin.runtime.value_specs import ValueSpec
+from piper_plugin.scheduler.plan import build_plan
+from piper_plugin.scheduler.simulate import simulate
+
+from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
+from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
+
+__all__ = ["make_pipelining_fn", "pipeline_with_piper", "RECIPE_OF_SCHEDULE", "recipe_for"]
+
+# TorchTitan schedule name -> the Piper recipe with the same stage layout and order family.
+RECIPE_OF_SCHEDULE = {
+    "1f1b": "1f1b",
+    "gpipe": "gpipe",
+    "interleaved1f1b": "interleaved-1f1b",
+    "loopedbfs": "interleaved-1f1b",
+    "interleavedzerobubble": "interleaved-1f1b",
+    "zbvzerobubble": "dualpipev",
+    "dualpipev": "dualpipev",
+}
+
+
+def recipe_for(schedule: str) -> str:
+    name = schedule.lower()
+    if name not in RECIPE_OF_SCHEDULE:
+        raise ValueError(f"pipeline_parallel_schedule {schedule!r} has no Piper recipe; use one of "
+                         f"{sorted(RECIPE_OF_SCHEDULE)} or pass --piper.recipe")
+    return RECIPE_OF_SCHEDULE[name]
+
+
+def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int) -> tuple[str, Callable[[Any], Schedule]]:
+    """(label, program -> Schedule) for a recipe name, a Python recipe file or a JSON trace."""
+    if recipe in RECIPES:
+        def apply(program):
+            sch = Schedule(program, pp=pp)
+            return apply_recipe(sch, recipe, microbatches=microbatches, chunks=max(1, stages // pp))
+        return recipe, apply
+    path = Path(recipe)
+    if not path.is_file():
+        raise ValueError(f"--piper.recipe {recipe!r} is neither a recipe ({', '.join(sorted(RECIPES))}) "
+                         f"nor an existing file")
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        return path.name, lambda program: Schedule.from_json(program, data)
+    namespace = runpy.run_path(str(path))
+    fn = namespace.get("recipe")
+    if not callable(fn):
+        raise ValueError(f"recipe file {recipe!r} defines no function recipe(sch, microbatches, **kw)")
+
+    def apply_file(program):
+        sch = Schedule(program, pp=pp)
+        fn(sch, microbatches=microbatches, chunks=max(1, stages // pp), zero=0)
+        return sch
+    return path.name, apply_file
+
+
+def _compile(program, schedule_fn, world: int):
+    sch = schedule_fn(program)
+    if sch.grid.world_size != world:
+        raise ValueError(f"the Piper schedule needs {sch.grid.world_size} ranks but the pipeline has {world}: "
+                         f"the Piper engine runs pipeline parallelism only (set every other degree to 1)")
+    # TorchTitan owns the parameters and the optimizer: no Piper buckets (params stay as they are).
+    sch.dag.buckets.clear()
+    plan = build_plan(sch.dag, sch.grid)
+    # A task's dependencies are a set (the runtime waits for all); build_plan lists order edges
+    # in set order, which varies with PYTHONHASHSEED across processes: sort them so the plan
+    # hash every rank compares is the same for the same plan.
+    for rank_plan in plan.ranks:
+        rank_plan.deps = {k: tuple(sorted(v)) for k, v in rank_plan.deps.items()}
+    return plan
+
+
+def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
+                        dump_folder: str, device: torch.device, model_config, parallelize_fn, loss_fn,
+                        options=None) -> tuple[PiperPipelineSchedule, list[nn.Module], bool, bool]:
+    pp = parallel_dims.pp
+    if parallel_dims.world_size != pp:
+        raise NotImplementedError(
+            f"pipeline_engine=piper runs pipeline parallelism only for now (pp={pp}, world={parallel_dims.world_size});"
+            f" set data/tensor/context/expert parallel degrees to 1 or use pipeline_engine=torch")
+    num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
+    fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
+        num_stages, num_layers, input_weight, output_weight)
+    num_stages = len(fqns)
+    mbs = parallelism.pipeline_parallel_microbatch_size
+    if training.local_batch_size % mbs:
+        raise ValueError(f"local_batch_size {training.local_batch_size} is not a multiple of "
+                         f"pipeline_parallel_microbatch_size {mbs}")
+    microbatches = training.local_batch_size // mbs
+    recipe = getattr(options, "recipe", None) or recipe_for(parallelism.pipeline_parallel_schedule)
+    label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages)
+    dtype = next(model.parameters()).dtype
+    dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size")
+    sizes = dict(microbatch_size=mbs, microbatches=microbatches, seq_len=training.seq_len, hidden_dim=dim,
+                 dtype=dtype, model_type=type(model).__name__)
+
+    # 1. every stage on the meta device; the recipe's placement says which are ours
+    parts = [_split_module(model, names) for names in fqns]
+    try:
+        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp)
+    except DirectiveError as exc:
+        raise ValueError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
+                         f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
+    pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
+    placement = plan.dag.meta["placement"]
+    local = sorted(int(r) for r, rank in placement.items() if rank == pp_rank)
+
+    # 2. SPMD parallelisms (AC, compile, ...) on our parts, as TorchTitan's pipeline_llm does
+    model_parts: dict[int, nn.Module] = {}
+    for s in local:
+        model_parts[s] = parallelize_fn(parts[s], parallel_dims=parallel_dims, training=training,
+                                        parallelism=parallelism, compile_config=compile_config,
+                                        ac_config=ac_config, dump_folder=dump_folder)
+        parts[s] = model_parts[s]
+        logger.info(f"Piper: PP rank {pp_rank} holds stage {s} with modules {fqns[s]}")
+
+    # 3. the plan over the parts as they will run (parameter names after wrapping)
+    program = build_stage_program(parts, **sizes)
+    plan = _compile(program, schedule_fn, pp)
+    check_plan_hash(plan)
+    result = simulate(plan)
+    logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks, {microbatches} microbatches, "
+                f"plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
+    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), dtype) for s in range(num_stages - 1)}
+    schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
+                                     rank=dist.get_rank(), specs=specs,
+                                     timeout_s=getattr(options, "timeout_s", 300.0), recipe=label)
+    return schedule, [model_parts[s] for s in local], 0 in model_parts, num_stages - 1 in model_parts
+
+
+def make_pipelining_fn(options=None) -> Callable[..., Any]:
+    """A ``ModelSpec.pipelining_fn`` running Piper with ``options`` (``PiperOptions``)."""
+    return functools.partial(pipeline_with_piper, options=options)

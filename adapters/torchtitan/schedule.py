@@ -1,0 +1,172 @@
+"""The object TorchTitan's trainer calls ``.step`` / ``.eval`` on, running a Piper plan.
+
+``step`` feeds this rank's microbatches (pre-split by the trainer) into the rank's
+:class:`RankState`, runs the plan's streams and waits for outstanding sends: the same per-step
+executor as Piper's Worker. Gradients stay in ``param.grad`` for TorchTitan's clip + optimizer
+step: the plan's UPDATE nodes run a no-op optimizer, and the loss gradient is 1 because
+TorchTitan's loss already divides by the global number of valid tokens.
+
+``eval`` runs forward only, stage by stage in microbatch order (no backward, nothing to
+schedule), with blocking P2P of the hidden states.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torch.distributed.fsdp import FSDPModule
+
+from piper_plugin.ir.nodes import COMPUTE, Kind
+from piper_plugin.runtime.compute import run_compute
+from piper_plugin.runtime.dist_comm import DistComm
+from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.streams import StreamRunner
+from piper_plugin.runtime.value_specs import ValueSpec
+from piper_plugin.scheduler.plan import Plan
+
+from piper_plugin.adapters.torchtitan.program import LocalStages, StageChunk, StageProgram, hidden_name
+
+__all__ = ["PiperPipelineSchedule", "HostOptimizer"]
+
+
+class HostOptimizer:
+    """The optimizer Piper's UPDATE nodes call: nothing. TorchTitan clips and steps the
+    parameters itself, reading the gradients Piper left in ``param.grad``."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = list(params)
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def _backward_weight_through_hooks(state: RankState, node) -> None:
+    """BW for FSDP-wrapped parts: replay the retained graph with ``backward`` (not
+    ``autograd.grad`` w.r.t. the registered parameters, which the forward did not use), so
+    FSDP's hooks land the weight gradients in ``param.grad``. Input gradients were sent by BI;
+    the ones this recomputes go to the step-local leaves and are dropped."""
+    key = (node.region, node.microbatch)
+    outs, grads = state.pending_bw.pop(key)
+    leaves, _ = state.saved.pop(key)
+    if outs:
+        torch.autograd.backward(outs, grads)
+    for leaf in leaves.values():
+        leaf.grad = None
+    state.finished(node.key)
+
+
+class PiperPipelineSchedule:
+    """Duck-types ``torch.distributed.pipelining``'s schedule for TorchTitan's trainer."""
+
+    def __init__(self, *, plan: Plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
+                 rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str):
+        self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
+        self.parts = parts
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.specs = specs
+        self.microbatches = plan.microbatches
+        self.num_stages = len(program.regions)
+        self.comm = DistComm(plan, rank, specs, timeout_s)  # collective: every rank builds it now
+        self._state: RankState | None = None
+        self._runner: StreamRunner | None = None
+        placement = plan.dag.meta["placement"]
+        self.stage_rank = {int(r): pp for r, pp in placement.items()}
+        self._eval_group = dist.new_group(list(range(plan.grid.world_size)))
+        # TorchTitan wraps every part in FSDP2 (a no-op all-gather at degree 1): the forward then
+        # runs on unsharded copies of the parameters, so weight gradients must come from a
+        # backward whose FSDP hooks move them to the registered parameters.
+        self._fsdp = any(isinstance(m, FSDPModule) for p in parts.values() for m in p.modules())
+        self.has_first_stage = 0 in parts
+        self.has_last_stage = self.num_stages - 1 in parts
+
+    # -- lazy set-up: after TorchTitan moved the parts off meta and initialised them ---------
+    def _ensure_state(self) -> RankState:
+        if self._state is None:
+            model = LocalStages(self.parts)
+            self._state = RankState(self.rank, self.plan, self.program, model, self.loss_fn, HostOptimizer)
+            self._state.scale = 1.0  # the loss is already sum / global valid tokens
+            self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s)
+        return self._state
+
+    def _execute(self, key: str) -> None:
+        node = self.plan.dag.nodes[key]
+        if node.kind == Kind.BW and self._fsdp:
+            _backward_weight_through_hooks(self._state, node)
+        elif node.kind in COMPUTE:
+            run_compute(self._state, node)
+        else:
+            self.comm.run(self._state, node)
+
+    def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
+        m = self.microbatches
+        kwarg_mbs = list(kwarg_mbs) if kwarg_mbs is not None else [{}] * m
+        inputs: dict[str, list[Any]] = {"kwargs": kwarg_mbs, "loss_kwargs": [dict(loss_kwargs or {})] * m}
+        if self.has_first_stage:
+            if arg_mbs is None:
+                raise ValueError("this rank holds the first stage: pass arg_mbs=[(tokens,), ...]")
+            inputs["tokens"] = [a[0] if isinstance(a, (tuple, list)) else a for a in arg_mbs]
+        if self.has_last_stage:
+            if target_mbs is None:
+                raise ValueError("this rank holds the last stage: pass target_mbs=[labels, ...]")
+            inputs["labels"] = list(target_mbs)
+        for name, values in inputs.items():
+            if len(values) != m:
+                raise ValueError(f"the Piper plan has {m} microbatches but {name} has {len(values)}; set "
+                                 f"local_batch_size / pipeline_parallel_microbatch_size = {m}")
+        return inputs
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict[str, Any] | None = None, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if args or kwargs or target is not None:
+            raise ValueError("the Piper schedule takes pre-split microbatches: arg_mbs=, kwarg_mbs=, target_mbs=")
+        state = self._ensure_state()
+        state.inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
+        state.losses = []
+        state.meter.reset_peak()
+        self._runner.run_step()
+        self.comm.wait_sends()
+        if losses is not None and self.has_last_stage:
+            losses.extend(state.losses)
+        state.inputs = {}
+        return None
+
+    # -- forward only ------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval(self, *args, target=None, losses: list | None = None, arg_mbs=None, kwarg_mbs=None,
+             target_mbs=None, **kwargs):
+        if args or kwargs or target is not None:
+            raise ValueError("the Piper schedule takes pre-split microbatches: arg_mbs=, kwarg_mbs=, target_mbs=")
+        inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, None)
+        last = self.num_stages - 1
+        chunks = {s: StageChunk(p, s == last, self.loss_fn) for s, p in self.parts.items()}
+        for mb in range(self.microbatches):
+            for s in sorted(chunks):
+                if s == 0:
+                    x = inputs["tokens"][mb]
+                elif self.stage_rank[s - 1] == self.rank:
+                    x = carried
+                else:
+                    x = self.specs[hidden_name(s - 1)].empty(self._device())
+                    dist.recv(x, src=self.stage_rank[s - 1], group=self._eval_group)
+                labels = inputs["labels"][mb] if s == last else None
+                (out,) = chunks[s](x, inputs["kwargs"][mb], labels, {})
+                if s == last:
+                    if losses is not None:
+                        losses.append(out.detach())
+                elif self.stage_rank[s + 1] == self.rank:
+                    carried = out
+                else:
+                    dist.send(out.contiguous(), dst=self.stage_rank[s + 1], group=self._eval_group)
+        return None
+
+    def _device(self) -> torch.device:
+        return next(p for m in self.parts.values() for p in m.parameters()).device

@@ -1,0 +1,68 @@
+"""``--parallelism.pipeline_engine {torch,piper}`` for TorchTitan, without forking it.
+
+``PiperParallelismConfig`` adds the flag to TorchTitan's ``ParallelismConfig``; ``PiperTrainer``
+is TorchTitan's ``Trainer`` with a nested ``Config`` that uses it (the pattern of TorchTitan's own
+experiments) plus ``--piper.*`` options. With ``pipeline_engine=piper`` the model spec's
+``pipelining_fn`` is swapped for Piper's (:mod:`.pipelining`); everything else of TorchTitan
+(data loader, tokenizer, optimizer, LR scheduler, grad clipping, checkpointing, metrics) stays.
+On a machine without an accelerator the trainer runs on the CPU with gloo (:mod:`.cpu`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torchtitan.config import ParallelismConfig
+from torchtitan.trainer import Trainer
+
+from piper_plugin.adapters.torchtitan import cpu
+
+__all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
+
+
+@dataclass(kw_only=True, slots=True)
+class PiperParallelismConfig(ParallelismConfig):
+    pipeline_engine: Literal["torch", "piper"] = "torch"
+    """Which engine runs the pipeline: TorchTitan's own (torch.distributed.pipelining) or Piper."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PiperOptions:
+    recipe: str | None = None
+    """Piper recipe overriding the one derived from pipeline_parallel_schedule: a recipe name
+    (gpipe, 1f1b, interleaved-1f1b, zb-h1, dualpipev) or a FILE (.py with ``schedule(sch, *,
+    microbatches)`` / ``RECIPE``, or a JSON directive trace)."""
+
+    timeout_s: float = 300.0
+    """A pipeline step that makes no progress for this long fails with the waiting task named."""
+
+
+class PiperTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        parallelism: PiperParallelismConfig = field(default_factory=PiperParallelismConfig)
+        piper: PiperOptions = field(default_factory=PiperOptions)
+
+    def __init__(self, config: "PiperTrainer.Config"):
+        if cpu.on_cpu():
+            cpu.use_cpu_device()  # before Trainer.__init__: it calls set_device first thing
+        if config.parallelism.pipeline_engine == "piper" and config.model_spec is not None:
+            from piper_plugin.adapters.torchtitan.pipelining import make_pipelining_fn
+
+            config.model_spec = dataclasses.replace(
+                config.model_spec, pipelining_fn=make_pipelining_fn(config.piper))
+        super().__init__(config)
+
+
+def to_piper_config(base: Trainer.Config) -> PiperTrainer.Config:
+    """A stock ``Trainer.Config`` as a ``PiperTrainer.Config`` (same values, engine "torch")."""
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    par = base.parallelism
+    values["parallelism"] = PiperParallelismConfig(
+        **{f.name: getattr(par, f.name) for f in dataclasses.fields(par) if f.init})
+    values.pop("piper", None)
+    config = PiperTrainer.Config(**values)
+    if cpu.on_cpu():
+        cpu.apply_cpu_fixes(config)
+    return config
