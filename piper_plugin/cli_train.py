@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from piper_plugin.cli import UsageError, _positive, _setup, add_strategy_args
+from piper_plugin.cli import UsageError, _int_at_least, _positive, _setup, add_strategy_args
 
 __all__ = ["add_train_parser", "run_train"]
 
@@ -35,14 +35,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _natural(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_natural = _int_at_least(0, ">= 0")
 
 
 def add_train_parser(commands) -> argparse.ArgumentParser:
