@@ -1,0 +1,1 @@
+"""Benchmarks: A/B against host engines, runtime overhead and memory checks (see each module)."""

@@ -1,0 +1,119 @@
+"""Compile time vs DAG size: capture + passes + plan + simulate of interleaved 1F1B on the toy LM.
+
+Each size runs in a fresh process, as a user's first compile does, timing the phases of
+
+    model on meta (pp*v stages, one layer each) -> capture -> Schedule + interleaved-1f1b
+    (place, replicate, split, order) -> build_plan -> simulate
+
+``build`` is the model's construction; on meta it includes torch's one-time import of
+torch._dynamo (the first meta op that runs a Python decomposition pulls it in). ``total``
+covers every phase, build included (the acceptance figure: pp=32, v=2, m=128 under 5 s);
+``us/node`` divides the four compile phases by the nodes of the scheduled DAG and ``DAG
+us/node`` the three after capture (capture grows with layers, not nodes): a flat column
+means linear growth. Each size keeps its fastest of ``--repeat`` runs.
+
+    python -m benchmarks.compile_scaling
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("build", "capture", "passes", "plan", "simulate")
+
+
+def one(pp: int, v: int, m: int) -> dict:
+    """Compile one size in this process; phase seconds, nodes and edges."""
+    import torch
+    from piper_plugin import capture
+    from piper_plugin.api.schedule import Schedule
+    from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
+    from piper_plugin.recipes import apply_recipe
+    from piper_plugin.scheduler.plan import build_plan
+    from piper_plugin.scheduler.simulate import simulate
+    t = [time.perf_counter()]  # imports are not compile time (the acceptance script imports first)
+    with torch.device("meta"):
+        model, cfg = build_toy_lm(stages=pp * v, layers=pp * v)
+    x, y = lm_batch(cfg, m)
+    t.append(time.perf_counter())
+    program = capture(model, lm_loss, (x,), y)
+    t.append(time.perf_counter())
+    sch = Schedule(program, pp=pp)
+    apply_recipe(sch, "interleaved-1f1b", microbatches=m, chunks=v)
+    t.append(time.perf_counter())
+    plan = build_plan(sch.dag, sch.grid)
+    t.append(time.perf_counter())
+    simulate(plan)
+    t.append(time.perf_counter())
+    return {"nodes": len(plan.dag), "edges": plan.dag.num_edges(),
+            **{p: b - a for p, a, b in zip(PHASES, t, t[1:])}}
+
+
+def measure(pp: int, v: int, m: int, repeat: int) -> dict:
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(pp), str(v), str(m)],
+                             check=True, capture_output=True, text=True, cwd=ROOT)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return min(runs, key=lambda r: sum(r[p] for p in PHASES))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", nargs="+", default=["4x16", "8x32", "16x64", "32x128", "32x256"],
+                    help="PPxMICROBATCHES per row")
+    ap.add_argument("--chunks", type=int, default=2, help="v: stages per pipeline rank")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh-process runs per size; the fastest is kept")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_scaling.md"))
+    ap.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(*args.one)))
+        return
+    command = (f"python -m benchmarks.compile_scaling --sizes {' '.join(args.sizes)} --chunks {args.chunks} "
+               f"--repeat {args.repeat}")
+    print(command)
+    head = ("| pp | v | m | nodes | edges | " + " | ".join(f"{p} s" for p in PHASES)
+            + " | total s | compile s | us/node | DAG us/node |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    print(head)
+    for size in args.sizes:
+        pp, m = map(int, size.lower().split("x"))
+        r = measure(pp, args.chunks, m, args.repeat)
+        dag_s = r["passes"] + r["plan"] + r["simulate"]
+        compile_s = r["capture"] + dag_s
+        row = (f"| {pp} | {args.chunks} | {m} | {r['nodes']} | {r['edges']} | "
+               + " | ".join(f"{r[p]:.2f}" for p in PHASES)
+               + f" | {compile_s + r['build']:.2f} | {compile_s:.2f} | {1e6 * compile_s / r['nodes']:.1f}"
+               + f" | {1e6 * dag_s / r['nodes']:.1f} |")
+        lines.append(row)
+        print(row, flush=True)
+    import torch
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "piper_plugin"], capture_output=True, text=True, cwd=ROOT).stdout
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    text = "\n".join([
+        "# Compile time vs DAG size (interleaved 1F1B, toy LM on meta)", "",
+        f"Command: `{command}`", "",
+        f"Machine: torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores "
+        f"({platform.machine()}), load average {load} when the run ended; code at {commit}"
+        f"{' with uncommitted engine changes' if dirty else ''}.", "",
+        "Each row: the fastest of the fresh-process runs. `build`: the model on meta, including torch's "
+        "one-time import of torch._dynamo; `total`: every phase; `compile`: capture + passes + plan + "
+        "simulate; `us/node`: compile / nodes of the scheduled DAG; `DAG us/node`: (passes + plan + "
+        "simulate) / nodes (flat = linear growth).", "",
+        *lines, ""])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Measured vs simulated peak activation memory per rank (toy LM, forked gloo ranks).
+
+*Measured* is ``Worker.state.meter.peak`` after a step: the transient bytes of one step
+(tensors autograd saved for backward, deduplicated by storage, plus values waiting in
+inboxes and gathered ZeRO-3 buckets). *Simulated* is ``SimResult.peak_transient_bytes``,
+which charges every forward the region's ``activation_bytes`` (the sum of the sizes of all
+op outputs of the region, see ``piper_plugin/ir/capture.py``) plus received buffers.
+
+The table has two pairs of columns. "as shipped" compares the two numbers the runtime and
+the scheduler produce today. "both corrected" applies, inside this benchmark only, the two
+fixes this check motivates, so their effect can be seen before the runtime changes:
+
+* meter: a saved tensor whose *storage* is a parameter's (``weight.t()`` saved by ``linear``)
+  is parameter memory, not an activation; the region outputs the runtime keeps as backward
+  roots (``RankState.saved``) are activations even when autograd does not save them;
+* simulator: a region holds the storages autograd saves when it runs (found by running the
+  region once on fake CPU tensors under saved-tensor hooks, parameters excluded, views
+  counted once) plus its outputs, instead of the sum of every op output.
+
+    python -m benchmarks.memory_check
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from benchmarks._common import (
+    code_version, command_line, lm_config, lm_job, machine_line, markdown_table, write_result,
+)
+from piper_plugin.ir.capture import Program
+from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.runtime.launch.processes import run_forked
+from piper_plugin.runtime.memory import MemoryMeter, _Held
+from piper_plugin.scheduler.plan import Plan
+from piper_plugin.scheduler.simulate import simulate
+
+__all__ = ["main", "build_parser", "saved_activation_bytes", "StorageMeter"]
+
+RECIPES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
+
+
+# -- the corrected meter (a proposal for piper_plugin/runtime/memory.py) --------------------------
+class StorageMeter(MemoryMeter):
+    """:class:`MemoryMeter` that recognises parameters by storage and counts backward roots."""
+
+    def ignore(self, tensors) -> None:
+        super().ignore(tensors)
+        self._param_storages = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def _count(self, t: torch.Tensor, owner: Any) -> None:
+        """Count ``t``'s storage once while any ``owner`` registered for it is alive."""
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            count = self._refs.get(ptr, 0)
+            self._refs[ptr] = count + 1
+        if count == 0:
+            self.add(nbytes)
+        weakref.finalize(owner, self._drop, ptr, nbytes)
+
+    def _is_param(self, t: torch.Tensor) -> bool:
+        return id(t) in self._params or t.untyped_storage().data_ptr() in self._param_storages
+
+    def saved_tensor_hooks(self):
+        def pack(t: torch.Tensor):
+            if t.device.type == "meta" or self._is_param(t):
+                return t
+            held = _Held(t)
+            self._count(t, held)
+            return held
+
+        def unpack(obj):
+            return obj.tensor if isinstance(obj, _Held) else obj
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """A tensor the runtime keeps until ``t`` (the object) dies: a backward root."""
+        if isinstance(t, torch.Tensor) and t.requires_grad and not self._is_param(t):
+            self._count(t, t)
+
+
+class _CountOutputs(nn.Module):
+    """A chunk whose outputs (kept by the runtime as backward roots) are counted."""
+
+    def __init__(self, chunk: nn.Module, meter: StorageMeter):
+        super().__init__()
+        self.chunk = chunk
+        self._meter = meter
+
+    def forward(self, *args):
+        outs = self.chunk(*args)
+        for t in outs if isinstance(outs, (tuple, list)) else (outs,):
+            self._meter.hold(t)
+        return outs
+
+
+def _install_corrected_meter(worker) -> None:
+    state = worker.state
+    meter = StorageMeter()
+    meter.ignore([p for c in state.chunks.values() for p in c.parameters()])
+    state.meter = meter
+    state.chunks = {name: _CountOutputs(chunk, meter) for name, chunk in state.chunks.items()}
+
+
+def _measure(worker, steps: int) -> dict[str, Any]:
+    """Peak of step ``steps`` with the shipped meter, then of as many steps with the corrected one."""
+    out: dict[str, Any] = {}
+    for label in ("shipped", "corrected"):
+        if label == "corrected":
+            _install_corrected_meter(worker)
+        for _ in range(steps):
+            before = worker.state.meter.current
+            worker.step()
+        out[label] = {"peak": worker.state.meter.peak, "at_start": before, "at_end": worker.state.meter.current}
+    return out
+
+
+# -- the corrected estimate (a proposal for piper_plugin/ir/capture.py) ---------------------------
+def saved_activation_bytes(program: Program, job: Job, microbatch: tuple[torch.Tensor, ...]) -> dict[str, int]:
+    """Per region: bytes of the storages its forward keeps for backward, with no real memory.
+
+    Runs the regions in order on one microbatch of fake CPU tensors (FakeTensorMode picks
+    the kernels the CPU would, e.g. the flash SDPA that saves only q, k, v, out and
+    logsumexp; plain meta tensors take the math SDPA and would count its attention matrix),
+    each region's inputs from other regions made fresh autograd leaves as the runtime does.
+    Counts each storage autograd saves once (views share it), never a parameter's, plus the
+    region's outputs (the runtime keeps them as backward roots).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    result: dict[str, int] = {}
+    with mode:
+        model = job.model_fn()
+        chunks = program.instantiate(model, job.loss_fn)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        env: dict[str, Any] = {name: mode.from_tensor(t) for name, t in zip(program.input_names, microbatch)}
+        for name, region in program.regions.items():
+            args = [env[v] if v in program.input_names
+                    else env[v].detach().requires_grad_(env[v].is_floating_point()) for v in region.inputs]
+            held: dict[int, int] = {}
+
+            def note(t: torch.Tensor) -> None:
+                storage = t.untyped_storage()
+                if storage._cdata not in params:
+                    held[storage._cdata] = storage.nbytes()
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                note(t)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outs = chunks[name](*args)
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    note(t)
+            result[name] = sum(held.values())
+            env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
+    return result
+
+
+def _with_activation_bytes(plan: Plan, per_microbatch: dict[str, int]) -> Plan:
+    """``plan`` whose regions hold ``per_microbatch`` bytes (scaled as capture's full-batch sizes)."""
+    dag = plan.dag.copy()
+    shards = plan.microbatches * plan.grid.data_shards
+    dag.regions = {name: dataclasses.replace(r, activation_bytes=per_microbatch[name] * shards)
+                   for name, r in plan.dag.regions.items()}
+    return dataclasses.replace(plan, dag=dag)
+
+
+# -- the check --------------------------------------------------------------------------------
+def check(cfg, args: argparse.Namespace, recipe: str) -> list[dict[str, Any]]:
+    job = lm_job(cfg, recipe=recipe, pp=args.pp, microbatches=args.microbatches, batch=args.batch,
+                 chunks=args.chunks, seed=args.seed, timeout_s=args.timeout)
+    program, _, plan, sim = compile_job(job)
+    first = next(iter(job.data_fn(job.seed)))
+    micro = tuple(t.chunk(plan.grid.data_shards)[0].chunk(plan.microbatches)[0] for t in first)
+    measured = run_forked(job, program, plan, body=functools.partial(_measure, steps=args.steps))
+    # after the run: instantiating the chunks on fake tensors leaves the graphs owned by a fake module,
+    # which no longer pickles (the launcher ships the program with cloudpickle)
+    sim_fixed = simulate(_with_activation_bytes(plan, saved_activation_bytes(program, job, micro)))
+    rows = []
+    for rank in range(plan.grid.world_size):
+        m = measured[rank]
+        rows.append({"recipe": recipe, "rank": rank,
+                     "sim": sim.peak_transient_bytes[rank], "measured": m["shipped"]["peak"],
+                     "leftover": m["shipped"]["at_start"],
+                     "sim_fixed": sim_fixed.peak_transient_bytes[rank], "measured_fixed": m["corrected"]["peak"]})
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory_check", description=__doc__.split("\n")[0])
+    p.add_argument("--schedules", nargs="+", choices=RECIPES, default=list(RECIPES))
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=2, help="steps per meter; the last one's peak is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=None, help="results file (default benchmarks/results/memory_check.md)")
+    return p
+
+
+def _findings(rows: list[dict[str, Any]]) -> list[str]:
+    """What this run's numbers say about each side, and what the corrected columns change."""
+    sim = [r["sim"] / r["sim_fixed"] for r in rows]
+    meter = [r["measured"] / r["measured_fixed"] for r in rows]
+    leftover = sorted({r["recipe"] for r in rows if r["leftover"] > 0})
+    lines = ["## Which side is off", "",
+             f"- Simulator: its estimate is {min(sim):.2f}x to {max(sim):.2f}x the corrected estimate. "
+             "`Region.activation_bytes` (`piper_plugin/ir/capture.py`) sums the sizes of every op output of the "
+             "region: views count as new memory (`unflatten`, `select`, `transpose`, `flatten`, `view_as` in "
+             "attention) and so do outputs autograd never keeps (residual adds, the logits only `log_softmax` "
+             "reads). Corrected estimate (`saved_activation_bytes` here): the storages autograd saves when the "
+             "region runs once on fake CPU tensors, each storage once, parameters excluded, plus the region's "
+             "outputs (the runtime keeps them as backward roots). Plain meta tensors would not do: on meta, SDPA "
+             "takes the math path and saves its attention matrix, which the CPU flash kernel does not.",
+             f"- Meter: the shipped meter reads {min(meter):.2f}x to {max(meter):.2f}x the corrected one "
+             "(`StorageMeter` here: a saved tensor on a parameter's storage, such as the `weight.t()` that "
+             "`linear` saves, is parameter memory; the outputs `RankState.saved` keeps as backward roots count "
+             "until the runtime drops them, also when autograd does not save them)."]
+    if leftover:
+        lines.append(f"- Left from the last step on {', '.join(leftover)}: values in an inbox no task takes "
+                     "(a BW task's copy of its output gradient is the known case: `_backward_weight` in "
+                     "`piper_plugin/runtime/compute.py` must `state.take` it).")
+    else:
+        lines.append("- Nothing is left in the meter between steps (every inbox is taken).")
+    return lines + [""]
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f}"
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    code_version()  # the engine as imported now, before any rank forks
+    cfg = lm_config(dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq, vocab=args.vocab)
+    command = command_line("memory_check", args, parser)
+    print(command, flush=True)
+    rows: list[dict[str, Any]] = []
+    for recipe in args.schedules:
+        rows += check(cfg, args, recipe)
+    for r in rows:
+        r["ratio"] = r["sim"] / r["measured"]
+        r["ratio_fixed"] = r["sim_fixed"] / r["measured_fixed"]
+    table = markdown_table(
+        ["schedule", "rank", "simulated KiB", "measured KiB", "sim/measured", "left from last step KiB",
+         "simulated KiB (corrected)", "measured KiB (corrected)", "sim/measured (corrected)"],
+        [[r["recipe"], r["rank"], _kib(r["sim"]), _kib(r["measured"]), f"{r['ratio']:.3f}", _kib(r["leftover"]),
+          _kib(r["sim_fixed"]), _kib(r["measured_fixed"]), f"{r['ratio_fixed']:.3f}"] for r in rows])
+    print(table)
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    worst_fixed = max(abs(r["ratio_fixed"] - 1) for r in rows)
+    print(f"largest deviation: as shipped {worst:.1%}, corrected {worst_fixed:.1%} (goal: within 10%)")
+    text = "\n".join([
+        "# Peak activation memory: measured vs simulated", "",
+        f"Command: `{command}`", "",
+        f"Machine: {machine_line()}.", "",
+        f"Model: toy LM dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn}, vocab {cfg.vocab}, "
+        f"seq {cfg.seq}; global batch {args.batch}, {args.microbatches} microbatches, {args.pp} ranks, fp32. "
+        f"Transient bytes only (no parameters, gradients, optimizer state). Measured: `Worker.state.meter.peak` of "
+        f"step {args.steps} (the meter resets its peak to its current level at the start of a step; "
+        f"'left from last step' is that level). Simulated: `SimResult.peak_transient_bytes`.", "",
+        table, "",
+        f"Largest deviation: as shipped {worst:.1%}, corrected {worst_fixed:.1%} (goal: within 10%).", "",
+        *_findings(rows),
+    ])
+    path = write_result(args.out, "memory_check.md", text)
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
