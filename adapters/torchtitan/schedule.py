@@ -148,6 +148,7 @@ class PiperPipelineSchedule:
         inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, None)
         last = self.num_stages - 1
         chunks = {s: StageChunk(p, s == last, self.loss_fn) for s, p in self.parts.items()}
+        carried = None  # a stage's output handed to the next stage on this rank
         for mb in range(self.microbatches):
             for s in sorted(chunks):
                 if s == 0:

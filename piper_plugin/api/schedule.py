@@ -22,7 +22,6 @@ from piper_plugin.api.errors import DirectiveError
 from piper_plugin.api.filters import NODE_KEYS, parse_filter
 from piper_plugin.ir.capture import Program
 from piper_plugin.ir.graph import CycleError, DAG, gc_paused
-from piper_plugin.ir.nodes import Kind, parse_key
 from piper_plugin.ir.rank_grid import RankGrid
 from piper_plugin.ir.validate import ValidationError, validate
 from piper_plugin.passes import order as order_pass

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.ir.nodes import Node
 
 __all__ = ["DAG", "Region", "Bucket", "CycleError", "gc_paused"]
 

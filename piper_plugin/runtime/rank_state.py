@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from piper_plugin.ir.capture import Program
-from piper_plugin.ir.nodes import Kind, Node
+from piper_plugin.ir.nodes import Kind
 from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.pieces import Piece
