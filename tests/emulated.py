@@ -34,7 +34,7 @@ torch.fx.wrap("device_time")
 class Wide(nn.Module):
     """One pipeline stage of wide linears: little host compute, megabytes of parameters."""
 
-    def __init__(self, dim: int = 512, layers: int = 4):
+    def __init__(self, dim: int = 1024, layers: int = 4):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
 
@@ -52,4 +52,4 @@ def mse(out, target):
 def data(seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
-        yield torch.randn(16, 512, generator=g), torch.randn(16, 512, generator=g)
+        yield torch.randn(16, 1024, generator=g), torch.randn(16, 1024, generator=g)

@@ -14,6 +14,7 @@ reproduces the traced model bit for bit.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -23,6 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from piper_plugin.api.annotate import current_tags, module_tags
+from piper_plugin.ir.activations import saved_activation_bytes
 from piper_plugin.ir.graph import DAG, Region, gc_paused
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.ir.size_probe import probe_sizes
@@ -105,9 +107,12 @@ class Program:
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def instantiate(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> dict[str, fx.GraphModule]:
-        """Executable chunk modules over ``model``'s own parameters (shared, not copied)."""
+        """Executable chunk modules over ``model``'s own parameters (shared, not copied).
+
+        Each module gets its own copy of the region graph: a module takes ownership of its
+        graph, and the program's graphs stay free to ship to workers."""
         root = _Training(model, loss_fn)
-        return {name: fx.GraphModule(root, graph, class_name=f"Chunk_{name.replace('.', '_')}")
+        return {name: fx.GraphModule(root, copy.deepcopy(graph), class_name=f"Chunk_{name.replace('.', '_')}")
                 for name, graph in self.graphs.items()}
 
 
@@ -135,11 +140,17 @@ def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inp
         ) from exc
     gm = fx.GraphModule(root, graph)
     probe = probe_sizes(gm, model, (*example_inputs, example_target))
-    program = _cut(gm, probe.nbytes, type(model).__name__, int(example_inputs[0].shape[0]))
+    program = _cut(gm, probe.nbytes, probe.views, type(model).__name__, int(example_inputs[0].shape[0]))
     params = dict(gm.named_parameters())
     program.dag.meta["param_bytes"] = {n: p.numel() * p.element_size() for n, p in params.items()}
     program.dag.meta["param_shapes"] = {n: tuple(p.shape) for n, p in params.items()}
     program.dag.meta["value_shapes"] = probe.shapes
+    try:
+        saved = saved_activation_bytes(program, model, loss_fn, (*example_inputs, example_target))
+    except Exception:  # noqa: BLE001 - an op fake tensors cannot run: keep the probe's estimate
+        saved = {}
+    for name, nbytes in saved.items():
+        program.regions[name].activation_bytes = nbytes
     return program
 
 
@@ -170,7 +181,7 @@ def _assign(gm: fx.GraphModule) -> list[tuple[dict[str, Any], list[fx.Node]]]:
     return runs
 
 
-def _cut(gm: fx.GraphModule, nbytes: dict[str, int], root_type: str, batch: int) -> Program:
+def _cut(gm: fx.GraphModule, nbytes: dict[str, int], views: set[str], root_type: str, batch: int) -> Program:
     runs = _assign(gm)
     per_stage: dict[int, int] = {}
     for tags, _ in runs:
@@ -206,7 +217,7 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], root_type: str, batch: int)
             name=name, stage=tags["PP"], index=index, tags=dict(tags), params=region_params,
             inputs=inputs, outputs=outputs,
             value_bytes={v: nbytes.get(v, 0) for v in inputs + outputs},
-            activation_bytes=sum(nbytes.get(n.name, 0) for n in member),
+            activation_bytes=sum(nbytes.get(n.name, 0) for n in member if n.name not in views),
             param_bytes=sum(params[p].numel() * params[p].element_size() for p in region_params),
             flops=2 * batch * sum(params[p].numel() for p in region_params),
         )

@@ -27,20 +27,24 @@ class _SizeProbe(fx.Interpreter):
         super().__init__(gm)
         self.nbytes: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.views: set[str] = set()  # outputs that alias an input's storage: no new memory
         self.memo: dict[Any, Any] | None = {} if memo else None
 
     def run_node(self, n: fx.Node) -> Any:
         key = self._memo_key(n) if self.memo is not None else None
         spec = self.memo.get(key) if key is not None else None
         if spec is not None:
-            out = _build(spec)
+            out, is_view = _build(spec[0]), spec[1]
         else:
             out = super().run_node(n)
+            is_view = _aliases_input(self, n, out)
             if key is not None:
                 try:
-                    self.memo[key] = _spec(out)
+                    self.memo[key] = (_spec(out), is_view)
                 except _Uncacheable:
                     pass
+        if is_view:
+            self.views.add(n.name)
         self.nbytes[n.name] = sum(t.numel() * t.element_size() for t in _tensors(out))
         if isinstance(out, torch.Tensor):
             self.shapes[n.name] = tuple(out.shape)
@@ -60,6 +64,14 @@ class _SizeProbe(fx.Interpreter):
             return n.op, target, _freeze(args), _freeze(kwargs)
         except _Uncacheable:
             return None
+
+
+def _aliases_input(probe: _SizeProbe, n: fx.Node, out: Any) -> bool:
+    if not isinstance(out, torch.Tensor) or n.op not in ("call_function", "call_method"):
+        return False
+    inputs = [probe.env[a] for a in n.all_input_nodes if isinstance(probe.env.get(a), torch.Tensor)]
+    storage = out.untyped_storage()._cdata
+    return any(t.untyped_storage()._cdata == storage for t in inputs)
 
 
 class _Uncacheable(Exception):
