@@ -45,5 +45,6 @@ def test_moe_with_expert_parallelism_on_four_ranks(recipe):
     _run(recipe, pp=2, ep=2, moe=True)
 
 
-def test_moe_on_two_ranks():
-    _run("1f1b", pp=2, moe=True)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_moe_on_two_ranks(recipe):
+    _run(recipe, pp=2, moe=True)
