@@ -67,6 +67,9 @@ def _backward(state: RankState, node: Node) -> None:
 
 
 def _backward_input(state: RankState, node: Node) -> None:
+    if node.key in state.fused_backward:  # its BW comes right after on this stream: one pass
+        _backward(state, node)
+        return
     key = (node.region, node.microbatch)
     leaves, outputs = state.saved[key]
     outs, grads = _output_grads(state, node, outputs, state.take(node.key))
@@ -84,6 +87,8 @@ def _backward_input(state: RankState, node: Node) -> None:
 def _backward_weight(state: RankState, node: Node) -> None:
     key = (node.region, node.microbatch)
     state.take(node.key)  # BI already read these gradients; drop BW's copies
+    if key not in state.pending_bw:  # done by its BI as one full backward
+        return
     outs, grads = state.pending_bw.pop(key)
     del state.saved[key]
     params = [p for p in state.chunks[node.region].parameters() if p.requires_grad]

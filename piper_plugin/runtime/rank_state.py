@@ -61,6 +61,7 @@ class RankState:
         self.losses: list[torch.Tensor] = []
         self.grad_pieces: dict[str, list[Piece]] = {}
         self.snapshot_grads = False
+        self.fused_backward = _fusable_backwards(plan, rank)
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
 
@@ -197,3 +198,15 @@ class _Named(nn.Module):
 
 def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _fusable_backwards(plan: Plan, rank: int) -> set[str]:
+    """BI tasks whose own BW follows right after them on the same stream: splitting those buys
+    no schedule freedom, so they run as one full backward (same gradients, one pass)."""
+    nodes, fused = plan.dag.nodes, set()
+    for keys in plan.ranks[rank].streams.values():
+        for a, b in zip(keys, keys[1:]):
+            x, y = nodes[a], nodes[b]
+            if x.kind == Kind.BI and y.kind == Kind.BW and (x.region, x.microbatch) == (y.region, y.microbatch):
+                fused.add(a)
+    return fused

@@ -55,10 +55,18 @@ class StreamRunner:
         failure: list[TaskFailed] = []
         deadline = time.monotonic() + self.timeout_s
         timeline: list[tuple[str, str, float, float]] = []
-        heads: dict[str, str] = {}  # what each stream is doing, for timeout reports
+        heads: dict[str, tuple[str, ...]] = {}  # what each stream is doing; words only on a timeout
+
+        def say(head: tuple[str, ...]) -> str:
+            if head[0] == "wait":
+                return f"{head[1]} waits for {head[2]}{self.describe(head[2])}"
+            if head[0] == "run":
+                detail = self.describe(head[1])  # comm names its peers; compute names nobody
+                return f"in {head[1]}{detail}" if detail else f"computing {head[1]}"
+            return "finished"
 
         def report() -> str:
-            return "; ".join(f"{s}: {h}" for s, h in sorted(heads.items()))
+            return "; ".join(f"{s}: {say(h)}" for s, h in sorted(heads.items()))
 
         threads_per_op = torch.get_num_threads()
         cuda_events: dict[str, torch.cuda.Event] = {}
@@ -72,7 +80,7 @@ class StreamRunner:
             try:
                 for key in keys:
                     for dep in self.cross[key]:
-                        heads[stream] = f"{key} waits for {dep}{self.describe(dep)}"
+                        heads[stream] = ("wait", key, dep)
                         while not done[dep].wait(0.05):
                             if abort.is_set():
                                 return
@@ -82,8 +90,7 @@ class StreamRunner:
                     if self.cuda:
                         for dep in self.cross[key]:
                             torch.cuda.current_stream().wait_event(cuda_events[dep])
-                    detail = self.describe(key)  # comm names its peers; compute names nobody
-                    heads[stream] = f"in {key}{detail}" if detail else f"computing {key}"
+                    heads[stream] = ("run", key)
                     start = time.perf_counter()
                     self.execute(key)
                     timeline.append((stream, key, start, time.perf_counter()))
@@ -91,7 +98,7 @@ class StreamRunner:
                         cuda_events[key] = torch.cuda.Event()
                         cuda_events[key].record()
                     done[key].set()
-                heads[stream] = "finished"
+                heads[stream] = ("done",)
             except BaseException as exc:  # noqa: BLE001 - reported with its traceback
                 if not abort.is_set():
                     failure.append(TaskFailed(f"rank {self.rank}: task {key}{self.describe(key)} on stream {stream!r} "
