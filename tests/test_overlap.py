@@ -39,7 +39,7 @@ def _median_step(one_stream: bool) -> float:
 
 
 def test_comm_stream_overlaps_compute():
-    rounds = [(_median_step(False), _median_step(True)) for _ in range(2)]  # alternate A/B
+    rounds = [(_median_step(False), _median_step(True)) for _ in range(3)]  # alternate A/B
     streams = statistics.median(a for a, _ in rounds)
     single = statistics.median(b for _, b in rounds)
-    assert streams < 0.9 * single, f"own comm stream {streams:.3f}s vs one stream {single:.3f}s"
+    assert streams < 0.95 * single, f"own comm stream {streams:.3f}s vs one stream {single:.3f}s"
