@@ -34,7 +34,7 @@ def _placed(program, pp=2, dp=1, ep=1):
     return sch
 
 
-def _fails(fn, *words):
+def expect_error(fn, *words):
     with pytest.raises(DirectiveError) as info:
         fn()
     text = str(info.value)
@@ -44,87 +44,87 @@ def _fails(fn, *words):
 
 
 def test_unknown_tag(lm):
-    _fails(lambda: Schedule(lm, pp=2).place("STAGE=0", rank=0), "place('STAGE=0')", "unknown tag 'STAGE'", "Fix")
+    expect_error(lambda: Schedule(lm, pp=2).place("STAGE=0", rank=0), "place('STAGE=0')", "unknown tag 'STAGE'", "Fix")
 
 
 def test_filter_matches_nothing(lm):
-    _fails(lambda: Schedule(lm, pp=2).place("PP=7", rank=0), "place('PP=7')", "matches no region", "PP=0")
+    expect_error(lambda: Schedule(lm, pp=2).place("PP=7", rank=0), "place('PP=7')", "matches no region", "PP=0")
 
 
 def test_region_already_placed(lm):
     sch = Schedule(lm, pp=2).place("PP=0", rank=0)
-    _fails(lambda: sch.place("PP=*", rank=1), "place('PP=*')", "region 0 is already placed")
+    expect_error(lambda: sch.place("PP=*", rank=1), "place('PP=*')", "region 0 is already placed")
 
 
 def test_rank_out_of_range(lm):
-    _fails(lambda: Schedule(lm, pp=2).place("PP=1", rank=2), "place('PP=1')", "rank 2 is out of range for pp=2", "0..1")
+    expect_error(lambda: Schedule(lm, pp=2).place("PP=1", rank=2), "place('PP=1')", "rank 2 is out of range for pp=2", "0..1")
 
 
 def test_negative_rank(lm):
-    _fails(lambda: Schedule(lm, pp=2).place("PP=1", rank=-1), "out of range")
+    expect_error(lambda: Schedule(lm, pp=2).place("PP=1", rank=-1), "out of range")
 
 
 def test_unplaced_regions_before_split(lm):
     sch = Schedule(lm, pp=2).place("PP=0", rank=0)
-    _fails(lambda: sch.split(2), "split", "regions ['1'] are not placed", "place every region")
+    expect_error(lambda: sch.split(2), "split", "regions ['1'] are not placed", "place every region")
 
 
 def test_split_not_dividing_batch(lm):
-    _fails(lambda: _placed(lm).split(3), "split(3)", "batch 8 is not divisible by 3 microbatches")
+    expect_error(lambda: _placed(lm).split(3), "split(3)", "batch 8 is not divisible by 3 microbatches")
 
 
 def test_split_with_data_parallel_shards(lm):
-    _fails(lambda: _placed(lm, dp=2).replicate("*").split(8), "split(8)", "x 2 data shards")
+    expect_error(lambda: _placed(lm, dp=2).replicate("*").split(8), "split(8)", "x 2 data shards")
 
 
 def test_split_twice(lm):
     sch = _placed(lm).split(2)
-    _fails(lambda: sch.split(4), "split(4)", "already split")
+    expect_error(lambda: sch.split(4), "split(4)", "already split")
 
 
 def test_place_after_split(lm):
     sch = _placed(lm).split(2)
-    _fails(lambda: sch.place("PP=0", rank=0), "place('PP=0')", "placement is closed")
+    expect_error(lambda: sch.place("PP=0", rank=0), "place('PP=0')", "placement is closed")
 
 
 def test_replicate_bad_zero_level(lm):
-    _fails(lambda: _placed(lm, dp=2).replicate("*", zero=4), "replicate('*')", "zero=4 is not a ZeRO level", "0, 1, 2 or 3")
+    expect_error(lambda: _placed(lm, dp=2).replicate("*", zero=4), "replicate('*')", "zero=4 is not a ZeRO level", "0, 1, 2 or 3")
 
 
 def test_replicate_bad_bucket(lm):
-    _fails(lambda: _placed(lm, dp=2).replicate("*", bucket_bytes=0), "bucket_bytes=0 must be a positive int")
+    expect_error(lambda: _placed(lm, dp=2).replicate("*", bucket_bytes=0), "bucket_bytes=0 must be a positive int")
 
 
 def test_replicate_twice(lm):
     sch = _placed(lm, dp=2).replicate("PP=0")
-    _fails(lambda: sch.replicate("*"), "region 0 is already replicated")
+    expect_error(lambda: sch.replicate("*"), "region 0 is already replicated")
 
 
 def test_missing_replicate_is_caught(lm):
-    _fails(lambda: _placed(lm, dp=2).split(2), "split", "not reduced over its 2 replicas", "replicate")
+    expect_error(lambda: _placed(lm, dp=2).split(2), "split", "not reduced over its 2 replicas", "replicate")
 
 
 def test_order_before_split(lm):
-    _fails(lambda: _placed(lm).order("0F", "1F"), "order", "not split yet", "split(microbatches=N)")
+    expect_error(lambda: _placed(lm).order("0F", "1F"), "order", "not split yet", "split(microbatches=N)")
 
 
 def test_order_creating_cycle(lm):
     sch = _placed(lm).split(2)
-    text = _fails(lambda: sch.order("1F0", "0F0"), "order", "cycle", "0F0", "1F0")
+    text = expect_error(lambda: sch.order("1F0", "0F0"), "order", "cycle", "0F0", "1F0")
     assert sch.dag.topological_order()  # the failed order left the DAG as it was
 
 
 def test_order_unknown_node(lm):
-    _fails(lambda: _placed(lm).split(2).order("0F9", "1F0"), "order", "matches no node")
+    expect_error(lambda: _placed(lm).split(2).order("0F9", "1F0"), "order", "matches no node")
 
 
 def test_order_per_rank_stray_node(lm):
     sch = _placed(lm).split(2)
-    _fails(lambda: sch.order_per_rank({0: ["0F0", "1F0"]}), "node 1F0 is not on pipeline rank 0")
+    expect_error(lambda: sch.order_per_rank({0: ["0F0", "1F0"]}), "node 1F0 is not on pipeline rank 0")
 
 
 def test_stream_matches_nothing(lm):
-    _fails(lambda: _placed(lm).split(2).stream("kind=ALL_REDUCE", "dp_comm"), "stream('kind=ALL_REDUCE')", "matches no node")
+    expect_error(lambda: _placed(lm).split(2).stream("kind=ALL_REDUCE", "dp_comm"), "stream('kind=ALL_REDUCE')", "matches no node")
 
 
 def test_stream_moves_a_send_with_its_receive(lm):
@@ -133,36 +133,36 @@ def test_stream_moves_a_send_with_its_receive(lm):
 
 
 def test_stream_name_is_checked(lm):
-    _fails(lambda: _placed(lm).split(2).stream("kind=F", ""), "stream('kind=F')", "stream name '' is invalid")
+    expect_error(lambda: _placed(lm).split(2).stream("kind=F", ""), "stream('kind=F')", "stream name '' is invalid")
 
 
 def test_shard_without_ep(moe):
-    _fails(lambda: _placed(moe).shard("EP=experts"), "shard('EP=experts')", "ep=1", "--ep 2")
+    expect_error(lambda: _placed(moe).shard("EP=experts"), "shard('EP=experts')", "ep=1", "--ep 2")
 
 
 def test_shard_non_expert_region(moe):
-    _fails(lambda: _placed(moe, ep=2).shard("region=0.0"), "shard('region=0.0')", "leading expert dimension")
+    expect_error(lambda: _placed(moe, ep=2).shard("region=0.0"), "shard('region=0.0')", "leading expert dimension")
 
 
 def test_shard_degree_mismatch(moe):
-    _fails(lambda: _placed(moe, ep=2).shard("EP=experts", degree=4), "degree 4 differs from the grid's ep=2")
+    expect_error(lambda: _placed(moe, ep=2).shard("EP=experts", degree=4), "degree 4 differs from the grid's ep=2")
 
 
 def test_replicate_expert_before_shard(moe):
-    _fails(lambda: _placed(moe, ep=2).replicate("*"), "expert region", "apply shard('EP=...') before replicate")
+    expect_error(lambda: _placed(moe, ep=2).replicate("*"), "expert region", "apply shard('EP=...') before replicate")
 
 
 def test_recipe_stage_count_mismatch(lm):
-    _fails(lambda: apply_recipe(Schedule(lm, pp=4), "1f1b", microbatches=4), "1f1b", "2 PP stages", "pp x chunks = 4")
+    expect_error(lambda: apply_recipe(Schedule(lm, pp=4), "1f1b", microbatches=4), "1f1b", "2 PP stages", "pp x chunks = 4")
 
 
 def test_interleaved_microbatches_not_multiple_of_pp():
     program = _program(stages=4, batch=6)
-    _fails(lambda: apply_recipe(Schedule(program, pp=2), "interleaved-1f1b", microbatches=3), "interleaved-1f1b")
+    expect_error(lambda: apply_recipe(Schedule(program, pp=2), "interleaved-1f1b", microbatches=3), "interleaved-1f1b")
 
 
 def test_unknown_recipe(lm):
-    _fails(lambda: apply_recipe(Schedule(lm, pp=2), "2f2b", microbatches=2), "unknown recipe", "1f1b")
+    expect_error(lambda: apply_recipe(Schedule(lm, pp=2), "2f2b", microbatches=2), "unknown recipe", "1f1b")
 
 
 def test_annotate_modules_pattern_typo():

@@ -88,13 +88,7 @@ def _compile(program, schedule_fn, world: int):
                          f"the Piper engine runs pipeline parallelism only (set every other degree to 1)")
     # TorchTitan owns the parameters and the optimizer: no Piper buckets (params stay as they are).
     sch.dag.buckets.clear()
-    plan = build_plan(sch.dag, sch.grid)
-    # A task's dependencies are a set (the runtime waits for all); build_plan lists order edges
-    # in set order, which varies with PYTHONHASHSEED across processes: sort them so the plan
-    # hash every rank compares is the same for the same plan.
-    for rank_plan in plan.ranks:
-        rank_plan.deps = {k: tuple(sorted(v)) for k, v in rank_plan.deps.items()}
-    return plan
+    return build_plan(sch.dag, sch.grid)  # its hash is the same in every process
 
 
 def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
@@ -102,8 +96,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                         options=None) -> tuple[PiperPipelineSchedule, list[nn.Module], bool, bool]:
     pp = parallel_dims.pp
     if parallel_dims.world_size != pp:
-        raise NotImplementedError(
-            f"pipeline_engine=piper runs pipeline parallelism only for now (pp={pp}, world={parallel_dims.world_size});"
+        raise ValueError(
+            f"--parallelism.pipeline_engine=piper runs pipeline parallelism only for now (pp={pp}, world={parallel_dims.world_size});"
             f" set data/tensor/context/expert parallel degrees to 1 or use pipeline_engine=torch")
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
