@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import io
 import multiprocessing as mp
 import os
 import queue
@@ -29,7 +28,7 @@ from piper_plugin.api.schedule import Schedule
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
 from piper_plugin.runtime.job import Job
-from piper_plugin.runtime.launch.processes import free_port
+from piper_plugin.runtime.launch.processes import _pack, _unpack, free_port, stop
 
 __all__ = ["RESULTS", "RandomTokens", "lm_config", "build_lm", "lm_job", "run_ranks", "piper_timed_body",
            "torch_pipeline_rank", "slowest_rank_times", "total_cpu_times", "command_line", "markdown_table",
@@ -157,12 +156,6 @@ def total_cpu_times(results: dict[int, dict[str, Any]]) -> list[float]:
 
 
 # -- a forked rank launcher for other engines -----------------------------------------------
-def _pack(payload: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return buffer.getvalue()
-
-
 def _rank_main(rank: int, world: int, port: int, shipped: bytes, timeout_s: float, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -228,13 +221,9 @@ def run_ranks(world: int, fn: Callable[[int, int], Any], timeout_s: float = 300.
                 continue
             if kind == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            results[rank] = _unpack(payload)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
+        stop(procs)
     return results
 
 

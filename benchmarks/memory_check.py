@@ -35,11 +35,11 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks._common import (
     code_version, command_line, lm_config, lm_job, machine_line, markdown_table, write_result,
 )
+from piper_plugin.ir.activations import saved_activation_bytes as core_saved_activation_bytes
 from piper_plugin.ir.capture import Program
 from piper_plugin.runtime.job import Job, compile_job
 from piper_plugin.runtime.launch.processes import run_forked
@@ -129,47 +129,13 @@ def _measure(worker, steps: int) -> dict[str, Any]:
     return out
 
 
-# -- the corrected estimate (a proposal for piper_plugin/ir/capture.py) ---------------------------
+# -- the saved-storage estimate, on one microbatch ----------------------------------------------
 def saved_activation_bytes(program: Program, job: Job, microbatch: tuple[torch.Tensor, ...]) -> dict[str, int]:
-    """Per region: bytes of the storages its forward keeps for backward, with no real memory.
-
-    Runs the regions in order on one microbatch of fake CPU tensors (FakeTensorMode picks
-    the kernels the CPU would, e.g. the flash SDPA that saves only q, k, v, out and
-    logsumexp; plain meta tensors take the math SDPA and would count its attention matrix),
-    each region's inputs from other regions made fresh autograd leaves as the runtime does.
-    Counts each storage autograd saves once (views share it), never a parameter's, plus the
-    region's outputs (the runtime keeps them as backward roots).
-    """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    result: dict[str, int] = {}
-    with mode:
+    """Per region: the core estimate (:func:`piper_plugin.ir.activations.saved_activation_bytes`)
+    taken on one microbatch instead of the captured example batch."""
+    with torch.device("meta"):
         model = job.model_fn()
-        chunks = program.instantiate(model, job.loss_fn)
-        params = {p.untyped_storage()._cdata for p in model.parameters()}
-        env: dict[str, Any] = {name: mode.from_tensor(t) for name, t in zip(program.input_names, microbatch)}
-        for name, region in program.regions.items():
-            args = [env[v] if v in program.input_names
-                    else env[v].detach().requires_grad_(env[v].is_floating_point()) for v in region.inputs]
-            held: dict[int, int] = {}
-
-            def note(t: torch.Tensor) -> None:
-                storage = t.untyped_storage()
-                if storage._cdata not in params:
-                    held[storage._cdata] = storage.nbytes()
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                note(t)
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                outs = chunks[name](*args)
-            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            for t in outs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    note(t)
-            result[name] = sum(held.values())
-            env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
-    return result
+    return core_saved_activation_bytes(program, model, job.loss_fn, microbatch)
 
 
 def _with_activation_bytes(plan: Plan, per_microbatch: dict[str, int]) -> Plan:
@@ -189,8 +155,6 @@ def check(cfg, args: argparse.Namespace, recipe: str) -> list[dict[str, Any]]:
     first = next(iter(job.data_fn(job.seed)))
     micro = tuple(t.chunk(plan.grid.data_shards)[0].chunk(plan.microbatches)[0] for t in first)
     measured = run_forked(job, program, plan, body=functools.partial(_measure, steps=args.steps))
-    # after the run: instantiating the chunks on fake tensors leaves the graphs owned by a fake module,
-    # which no longer pickles (the launcher ships the program with cloudpickle)
     sim_fixed = simulate(_with_activation_bytes(plan, saved_activation_bytes(program, job, micro)))
     rows = []
     for rank in range(plan.grid.world_size):

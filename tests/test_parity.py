@@ -10,7 +10,7 @@ from parity import check_parity
 RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
 
 
-def _run(recipe, pp, m, dp=1, ep=1, zero=0, moe=False, tie=False, bucket_bytes=None):
+def _check_parity(recipe, pp, m, dp=1, ep=1, zero=0, moe=False, tie=False, bucket_bytes=None):
     stages = stages_needed(recipe, pp)
     torch.manual_seed(0)
     model, cfg = (build_toy_moe if moe else build_toy_lm)(stages=stages, layers=stages)
@@ -29,31 +29,31 @@ def _run(recipe, pp, m, dp=1, ep=1, zero=0, moe=False, tie=False, bucket_bytes=N
 def test_recipe_matches_single_device(recipe, pp, m):
     if recipe == "dualpipev" and m < 2 * pp:
         with pytest.raises(DirectiveError, match="dualpipev"):
-            _run(recipe, pp, m)
+            _check_parity(recipe, pp, m)
         return
-    _run(recipe, pp, m)
+    _check_parity(recipe, pp, m)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_data_parallel_zero_matches_single_device(recipe, zero):
-    _run(recipe, 2, 4, dp=2, zero=zero)
+    _check_parity(recipe, 2, 4, dp=2, zero=zero)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_expert_parallel_moe_matches_single_device(recipe):
-    _run(recipe, 2, 4, ep=2, moe=True)
+    _check_parity(recipe, 2, 4, ep=2, moe=True)
 
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_moe_dp_times_ep_matches_single_device(zero):
-    _run("1f1b", 2, 4, dp=2, ep=2, zero=zero, moe=True)
+    _check_parity("1f1b", 2, 4, dp=2, ep=2, zero=zero, moe=True)
 
 
 def test_zero3_buckets_match_single_device():
-    _run("1f1b", 2, 4, dp=2, zero=3, bucket_bytes=4096)
+    _check_parity("1f1b", 2, 4, dp=2, zero=3, bucket_bytes=4096)
 
 
 @pytest.mark.parametrize("recipe", ["1f1b", "dualpipev"])
 def test_tied_embeddings_match_single_device(recipe):
-    _run(recipe, 2, 4, dp=2, zero=0, tie=True)
+    _check_parity(recipe, 2, 4, dp=2, zero=0, tie=True)

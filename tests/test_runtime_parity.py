@@ -19,7 +19,7 @@ def _model(cls, cfg, stages):
     return cls(cfg, stages=stages)
 
 
-def _run(recipe, pp, dp=1, ep=1, zero=0, moe=False):
+def _check_parity(recipe, pp, dp=1, ep=1, zero=0, moe=False):
     m = max(4, 2 * pp) if recipe == "dualpipev" else 4
     stages = stages_needed(recipe, pp)
     cfg = ToyLMConfig(n_layers=stages)
@@ -30,21 +30,21 @@ def _run(recipe, pp, dp=1, ep=1, zero=0, moe=False):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_ranks_match_single_device(recipe):
-    _run(recipe, pp=2)
+    _check_parity(recipe, pp=2)
 
 
 @pytest.mark.parametrize("recipe,pp,dp,zero", [
     ("gpipe", 4, 1, 0), ("1f1b", 2, 2, 3), ("interleaved-1f1b", 2, 2, 1), ("zb-h1", 4, 1, 0),
     ("dualpipev", 2, 2, 2)])
 def test_four_ranks_match_single_device(recipe, pp, dp, zero):
-    _run(recipe, pp=pp, dp=dp, zero=zero)
+    _check_parity(recipe, pp=pp, dp=dp, zero=zero)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_with_expert_parallelism_on_four_ranks(recipe):
-    _run(recipe, pp=2, ep=2, moe=True)
+    _check_parity(recipe, pp=2, ep=2, moe=True)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_on_two_ranks(recipe):
-    _run(recipe, pp=2, moe=True)
+    _check_parity(recipe, pp=2, moe=True)

@@ -13,6 +13,7 @@ the plan finishes before anything runs.
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 import heapq
 import json
 from dataclasses import dataclass, field
@@ -144,14 +145,7 @@ def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
         key = keys[i]
         append(key)
         done = t + 1.0 if nodes[key].kind in COMPUTE else t
-        for succ in data_succ[key]:
-            if start[succ] < done:
-                start[succ] = done
-            left = indegree[succ] - 1
-            indegree[succ] = left
-            if not left:
-                push(heap, (start[succ], index[succ]))
-        for succ in temporal_succ[key]:
+        for succ in chain(data_succ[key], temporal_succ[key]):
             if start[succ] < done:
                 start[succ] = done
             left = indegree[succ] - 1

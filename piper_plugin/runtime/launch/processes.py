@@ -25,7 +25,7 @@ import torch
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.streams import TaskFailed
 
-__all__ = ["WorkerFailed", "run_forked", "free_port"]
+__all__ = ["WorkerFailed", "run_forked", "free_port", "stop"]
 
 
 class WorkerFailed(RuntimeError):
@@ -154,9 +154,14 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
             elif kind == "done":
                 finished.add(rank)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(5)
+        stop(procs)
     return results
+
+
+def stop(procs) -> None:
+    """Kill what still runs and reap everything (no process left behind)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
