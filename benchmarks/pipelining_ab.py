@@ -77,13 +77,15 @@ def backward_split_cost(cfg: ToyLMConfig, args: argparse.Namespace) -> dict[str,
     """Seconds (median of ``args.split_reps``) of one backward of a middle stage, three ways.
 
     The stage is stage 1 of the 2 x 2 split DualPipeV uses, on one microbatch: ``full`` is one
-    ``torch.autograd.backward``; ``piper`` is what ``runtime/compute.py`` does for BI then BW
-    (``autograd.grad`` to the inputs with the graph kept, then ``autograd.grad`` to the
-    parameters from the outputs again); ``torch`` is ``stage_backward_input`` then
-    ``stage_backward_weight`` of ``torch.distributed.pipelining``, which keeps the gradients
-    reaching each weight's op in BI so that BW only runs the last hop.
+    ``torch.autograd.backward``; ``piper`` is what ``runtime/compute.py`` runs for BI then BW
+    (:func:`piper_plugin.runtime.split_backward.backward_input`, then the pending weight
+    gradients' ``run``); ``torch`` is ``stage_backward_input`` then ``stage_backward_weight`` of
+    ``torch.distributed.pipelining``. Both keep the gradients reaching each weight's op in BI, so
+    BW only runs the last hop.
     """
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from piper_plugin.runtime.split_backward import backward_input
 
     num_stages = stages_needed("dualpipev", args.pp, args.chunks)
     torch.manual_seed(args.seed)
@@ -99,9 +101,8 @@ def backward_split_cost(cfg: ToyLMConfig, args: argparse.Namespace) -> dict[str,
         if how == "full":
             torch.autograd.backward([y], [g])
         elif how == "piper":
-            torch.autograd.grad([y], [x], [g], retain_graph=True)
-            for p, dw in zip(params, torch.autograd.grad([y], params, [g])):
-                p.grad = dw if p.grad is None else p.grad + dw
+            _, pending = backward_input([y], [g], [x])
+            pending.run()
         else:
             _, groups = stage_backward_input([y], [g], [x], iter(params))
             stage_backward_weight(iter(params), groups)

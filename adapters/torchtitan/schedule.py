@@ -54,7 +54,8 @@ def _backward_weight_through_hooks(state: RankState, node) -> None:
     FSDP's hooks land the weight gradients in ``param.grad``. Input gradients were sent by BI;
     the ones this recomputes go to the step-local leaves and are dropped."""
     key = (node.region, node.microbatch)
-    outs, grads = state.pending_bw.pop(key)
+    pending = state.pending_bw.pop(key)
+    outs, grads = pending.outs, pending.grads
     leaves, _ = state.saved.pop(key)
     if outs:
         torch.autograd.backward(outs, grads)

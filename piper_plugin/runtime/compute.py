@@ -1,8 +1,9 @@
 """Compute handlers, one per chunk kind; each reads its inbox and delivers its outputs.
 
 Invariants: F makes every input produced by another region a fresh autograd leaf, so B / BI
-yield exactly the gradients to send upstream; BI keeps the graph for BW; the loss output's
-gradient is the microbatch scale 1/(microbatches x data shards), so summed over all of them
+yield exactly the gradients to send upstream; BI keeps the graph and the gradients reaching
+its weight side for BW (:mod:`.split_backward`), so BW runs only weight-gradient kernels; the
+loss output's gradient is the microbatch scale 1/(microbatches x data shards), so summed over all of them
 the step equals the full-batch mean.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.split_backward import backward_input
 
 __all__ = ["run_compute"]
 
@@ -73,13 +75,12 @@ def _backward_input(state: RankState, node: Node) -> None:
     key = (node.region, node.microbatch)
     leaves, outputs = state.saved[key]
     outs, grads = _output_grads(state, node, outputs, state.take(node.key))
-    has_bw = bool(state.dag.regions[node.region].params)
     wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
-    got = iter(torch.autograd.grad(outs, wanted, grads, retain_graph=has_bw, allow_unused=True)
-               if outs and wanted else [None] * len(wanted))
+    got, pending = backward_input(outs, grads, wanted)
+    got = iter(got)
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
-    if has_bw:
-        state.pending_bw[key] = (outs, grads)
+    if state.dag.regions[node.region].params:
+        state.pending_bw[key] = pending
     else:
         del state.saved[key]
 
@@ -89,14 +90,8 @@ def _backward_weight(state: RankState, node: Node) -> None:
     state.take(node.key)  # BI already read these gradients; drop BW's copies
     if key not in state.pending_bw:  # done by its BI as one full backward
         return
-    outs, grads = state.pending_bw.pop(key)
+    state.pending_bw.pop(key).run()
     del state.saved[key]
-    params = [p for p in state.chunks[node.region].parameters() if p.requires_grad]
-    if not outs:
-        return
-    for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
 
 
 def _update(state: RankState, node: Node) -> None:

@@ -21,6 +21,7 @@ from piper_plugin.ir.nodes import Kind
 from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.pieces import Piece
+from piper_plugin.runtime.split_backward import PendingWeightGrads
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["RankState"]
@@ -56,7 +57,7 @@ class RankState:
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
-        self.pending_bw: dict[tuple[str, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.grad_pieces: dict[str, list[Piece]] = {}

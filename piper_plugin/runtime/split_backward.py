@@ -1,0 +1,180 @@
+"""Split backward: input gradients first (BI), weight gradients later (BW), with no work done twice.
+
+BI runs autograd from a chunk's outputs to its input leaves only, keeping the graph, and records
+the gradient arriving at every *frontier* node: an autograd node on a path to an input with an
+edge into a subgraph that reaches weights but no input (for ``x @ W.T`` that is the matmul's
+node; the subgraph is ``W``'s transpose and accumulator). BW restarts autograd at the frontier
+nodes with the recorded gradients and asks for the weights alone, so only the weight-side
+kernels run. Weights are every leaf the graph reaches that is not a chunk input (tied and
+wrapped weights included); their gradients accumulate into ``.grad`` as in a full backward.
+
+Invariant: BI + BW yields exactly the input and weight gradients of one full backward. Every
+path from an output to a weight crosses from the input side to the weight side once, at a
+frontier node's edge, or never touches the input side (outputs whose graph reaches no input
+start a backward of their own). Frontier nodes sharing a weight run in one backward in which
+each one's incoming gradient is pinned to its recorded value, so a path recomputed through
+another frontier node of the group is not counted twice.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+__all__ = ["backward_input", "PendingWeightGrads"]
+
+
+class _Group:
+    __slots__ = ("nodes", "weights")
+
+    def __init__(self, nodes: list, weights: list[torch.Tensor]):
+        self.nodes, self.weights = nodes, weights
+
+
+class PendingWeightGrads:
+    """What BI leaves for BW: the frontier groups and the gradients recorded at them.
+
+    ``outs`` / ``grads`` (the chunk's outputs and their gradients) keep the graph alive and let
+    a host that must see every hook (FSDP) replay one full backward instead of :meth:`run`.
+    """
+
+    def __init__(self, outs: list[torch.Tensor], grads: list[torch.Tensor], groups: list[_Group],
+                 recorded: dict, root_edges: list[GradientEdge], root_grads: list[torch.Tensor],
+                 root_weights: list[torch.Tensor]):
+        self.outs, self.grads = outs, grads
+        self._groups, self._recorded = groups, recorded
+        self._roots = (root_edges, root_grads, root_weights)
+
+    def run(self) -> None:
+        """Accumulate every weight gradient into ``.grad``; the graph is released afterwards."""
+        for group in self._groups:
+            edges, grads = [], []
+            for node in group.nodes:
+                for i, g in enumerate(self._recorded.get(node, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(node, i))
+                        grads.append(g)
+            if not edges:
+                continue  # no gradient reached this group in BI: its weights get none
+            pins = [node.register_prehook(_pin(self._recorded[node])) for node in group.nodes
+                    if node in self._recorded] if len(group.nodes) > 1 else []
+            try:
+                torch.autograd.backward(edges, grads, retain_graph=True, inputs=group.weights)
+            finally:
+                for handle in pins:
+                    handle.remove()
+        edges, grads, weights = self._roots
+        if edges:
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
+        self.outs = self.grads = []
+        self._groups, self._recorded, self._roots = [], {}, ([], [], [])
+
+
+def _pin(recorded: tuple):
+    return lambda grad_outputs: recorded
+
+
+def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], PendingWeightGrads]:
+    """Gradients of ``inputs`` (leaves requiring grad) now; the weights' work for later."""
+    outs, grads = list(outs), list(grads)
+    input_ids = {id(t) for t in inputs}
+    roots = [get_gradient_edge(t) for t in outs]
+    reaches_input, weights_below, leaves = _classify([e.node for e in roots], input_ids)
+
+    frontier: dict = {}
+    for node, reaches in reaches_input.items():
+        if not reaches or node in leaves:
+            continue
+        below: set[int] = set()
+        for child, _ in node.next_functions:
+            if child is not None and not reaches_input[child]:
+                below |= weights_below[child]
+        if below:
+            frontier[node] = below
+    groups = _group(frontier, leaves)
+
+    root_edges, root_grads, root_weights = [], [], set()
+    for edge, g in zip(roots, grads):
+        if not reaches_input[edge.node] and weights_below[edge.node]:
+            root_edges.append(edge)
+            root_grads.append(g)
+            root_weights |= weights_below[edge.node]
+
+    recorded: dict = {}
+    handles = [node.register_prehook(_record(recorded, node)) for node in frontier]
+    try:
+        got = (torch.autograd.grad(outs, list(inputs), grads, retain_graph=True, allow_unused=True)
+               if outs and inputs else [None] * len(inputs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = {id(v): v for v in leaves.values()}
+    pending = PendingWeightGrads(outs, grads, groups, recorded, root_edges, root_grads,
+                                 [by_id[i] for i in sorted(root_weights)])
+    return list(got), pending
+
+
+def _record(recorded: dict, node):
+    def hook(grad_outputs):
+        recorded[node] = grad_outputs
+
+    return hook
+
+
+def _classify(roots: list, input_ids: set[int]) -> tuple[dict, dict, dict]:
+    """Walk the graph below ``roots`` once (iteratively: graphs can be deep).
+
+    Returns, per autograd node: whether it reaches an input leaf; for nodes that do not, the ids
+    of the weight leaves below them; and the accumulator node -> leaf tensor of every weight.
+    """
+    reaches: dict = {}
+    below: dict = {}
+    leaves: dict = {}
+    stack = [(node, False) for node in roots if node is not None]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reaches:
+            continue
+        if expanded:
+            children = [c for c, _ in node.next_functions if c is not None]
+            hit = any(reaches[c] for c in children)
+            reaches[node] = hit
+            below[node] = frozenset() if hit else frozenset().union(*(below[c] for c in children))
+            continue
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf's accumulator
+        if leaf is not None:
+            is_input = id(leaf) in input_ids
+            reaches[node] = is_input
+            below[node] = frozenset() if is_input else frozenset((id(leaf),))
+            if not is_input:
+                leaves[node] = leaf
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in reaches)
+    return reaches, below, leaves
+
+
+def _group(frontier: dict, leaves: dict) -> list[_Group]:
+    """Frontier nodes that share a weight end up in one group (union-find over weights)."""
+    parent: dict[int, int] = {}
+
+    def find(w: int) -> int:
+        while parent.setdefault(w, w) != w:
+            parent[w] = parent[parent[w]]
+            w = parent[w]
+        return w
+
+    for weights in frontier.values():
+        first, *rest = weights
+        for w in rest:
+            parent[find(w)] = find(first)
+    by_id = {id(v): v for v in leaves.values()}
+    nodes: dict[int, list] = {}
+    weights_of: dict[int, set[int]] = {}
+    for node, weights in frontier.items():
+        root = find(next(iter(weights)))
+        nodes.setdefault(root, []).append(node)
+        weights_of.setdefault(root, set()).update(weights)
+    return [_Group(nodes[r], [by_id[w] for w in sorted(weights_of[r])]) for r in nodes]
