@@ -43,7 +43,7 @@ from piper_plugin.ir.activations import saved_activation_bytes as core_saved_act
 from piper_plugin.ir.capture import Program
 from piper_plugin.runtime.job import Job, compile_job
 from piper_plugin.runtime.launch.processes import run_forked
-from piper_plugin.runtime.memory import MemoryMeter, _Held
+from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.simulate import simulate
 
@@ -53,6 +53,15 @@ RECIPES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
 
 
 # -- the corrected meter (a proposal for piper_plugin/runtime/memory.py) --------------------------
+class _Saved:
+    """A saved activation packed by :class:`StorageMeter`; a weak reference sees it go."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 class StorageMeter(MemoryMeter):
     """:class:`MemoryMeter` that recognises parameters by storage and counts backward roots."""
 
@@ -78,12 +87,12 @@ class StorageMeter(MemoryMeter):
         def pack(t: torch.Tensor):
             if t.device.type == "meta" or self._is_param(t):
                 return t
-            held = _Held(t)
+            held = _Saved(t)
             self._count(t, held)
             return held
 
         def unpack(obj):
-            return obj.tensor if isinstance(obj, _Held) else obj
+            return obj.tensor if isinstance(obj, _Saved) else obj
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

@@ -11,6 +11,8 @@ reductions).
 """
 from __future__ import annotations
 
+import functools
+
 import enum
 import re
 from dataclasses import dataclass, field
@@ -92,8 +94,9 @@ class Node:
             return True
         return self.phase in ("F", "B")
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The printable key; kind, region, microbatch and qual never change after creation."""
         return format_key(self.region, self.kind, self.microbatch, self.qual)
 
     @property

@@ -8,7 +8,6 @@ gathered ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
@@ -16,19 +15,22 @@ __all__ = ["MemoryMeter"]
 
 
 class _Held:
-    """A saved activation; its finaliser returns the bytes when autograd lets it go."""
+    """A saved activation; it returns its bytes to the meter when autograd lets it go."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "meter", "ptr", "nbytes")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, meter: "MemoryMeter", ptr: int, nbytes: int):
+        self.tensor, self.meter, self.ptr, self.nbytes = tensor, meter, ptr, nbytes
+
+    def __del__(self) -> None:  # CPython: runs as soon as autograd drops the saved value
+        self.meter._drop(self.ptr, self.nbytes)
 
 
 class MemoryMeter:
     def __init__(self) -> None:
         self.current = 0
         self.peak = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a saved value can be released by the GC inside a locked section
         self._params: set[int] = set()
         self._refs: dict[int, int] = {}
 
@@ -47,33 +49,34 @@ class MemoryMeter:
 
     def _drop(self, ptr: int, nbytes: int) -> None:
         with self._lock:
-            self._refs[ptr] -= 1
-            last = self._refs[ptr] == 0
-            if last:
+            count = self._refs[ptr] - 1
+            if count:
+                self._refs[ptr] = count
+            else:
                 del self._refs[ptr]
-        if last:
-            self.add(-nbytes)
+                self.current -= nbytes
 
     def saved_tensor_hooks(self):
-        def pack(t: torch.Tensor):
-            base = t._base if t._base is not None else t  # linear saves weight.t(), a view
-            if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
-                return t
-            held = _Held(t)
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            with self._lock:
-                count = self._refs.get(ptr, 0)
-                self._refs[ptr] = count + 1
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+        if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
+            return t
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            count = self._refs.get(ptr, 0)
+            self._refs[ptr] = count + 1
             if count == 0:
-                self.add(nbytes)
-            weakref.finalize(held, self._drop, ptr, nbytes)
-            return held
+                self.current += nbytes
+                if self.current > self.peak:
+                    self.peak = self.current
+        return _Held(t, self, ptr, nbytes)
 
-        def unpack(obj):
-            return obj.tensor if isinstance(obj, _Held) else obj
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+def _unpack(obj):
+    return obj.tensor if isinstance(obj, _Held) else obj
 
 
 def tensor_bytes(tensors) -> int:

@@ -55,6 +55,8 @@ class RankState:
         self._drop_foreign(model, named)
         self.device = next(iter(named.values())).device if named else torch.device("cpu")
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
+        self._succ_cache: dict[str, list[tuple[str, Any]]] = {}
+        self._gather_cache: dict[str, list[tuple[str, int]]] = {}
         self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
@@ -118,9 +120,7 @@ class RankState:
 
     # -- data flow --------------------------------------------------------------------------
     def deliver(self, key: str, outputs: dict[str, torch.Tensor]) -> None:
-        for succ, values in self.dag.data_succ[key].items():
-            if self.rank not in self.dag.nodes[succ].devices:
-                continue
+        for succ, values in self._local_succ(key):
             with self._lock:
                 box = self.inbox.setdefault(succ, {})
                 for v in values:
@@ -128,6 +128,14 @@ class RankState:
                         if v not in box:
                             self.meter.add(_nbytes(outputs[v]))
                         box[v] = outputs[v] if v not in box else box[v] + outputs[v]
+
+    def _local_succ(self, key: str) -> list[tuple[str, Any]]:
+        """Successors of ``key`` on this rank with the values they read (cached: the DAG is fixed)."""
+        found = self._succ_cache.get(key)
+        if found is None:
+            found = [(s, vs) for s, vs in self.dag.data_succ[key].items() if self.rank in self.dag.nodes[s].devices]
+            self._succ_cache[key] = found
+        return found
 
     def deliver_to(self, key: str, value: str, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -146,14 +154,17 @@ class RankState:
 
     def finished(self, key: str) -> None:
         """Release gathered ZeRO-3 buckets whose last local consumer was ``key``."""
-        for pred in self.dag.data_pred[key]:
-            node = self.dag.nodes[pred]
-            if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
-                bucket = self.buckets[(node.region, node.bucket)]
-                bucket.refs -= 1
-                if bucket.refs == 0:
-                    bucket.release()
-                    self.meter.add(-bucket.padded * bucket.flat.element_size())
+        gathers = self._gather_cache.get(key)
+        if gathers is None:
+            gathers = [(n.region, n.bucket) for n in map(self.dag.nodes.__getitem__, self.dag.data_pred[key])
+                       if n.kind == Kind.ALL_GATHER and n.phase in ("F", "B")]
+            self._gather_cache[key] = gathers
+        for name in gathers:
+            bucket = self.buckets[name]
+            bucket.refs -= 1
+            if bucket.refs == 0:
+                bucket.release()
+                self.meter.add(-bucket.padded * bucket.flat.element_size())
 
     def local_consumers(self, key: str) -> int:
         return sum(1 for s in self.dag.data_succ[key] if self.rank in self.dag.nodes[s].devices)

@@ -50,7 +50,7 @@ class StreamRunner:
         return self._streams[key]
 
     def run_step(self) -> None:
-        done = {k: threading.Event() for k in self.plan.deps}
+        done = {k: threading.Event() for k in self.crossed}  # only what another stream waits for
         abort = threading.Event()
         failure: list[TaskFailed] = []
         deadline = time.monotonic() + self.timeout_s
@@ -97,7 +97,8 @@ class StreamRunner:
                     if self.cuda and key in self.crossed:
                         cuda_events[key] = torch.cuda.Event()
                         cuda_events[key].record()
-                    done[key].set()
+                    if key in done:
+                        done[key].set()
                 heads[stream] = ("done",)
             except BaseException as exc:  # noqa: BLE001 - reported with its traceback
                 if not abort.is_set():

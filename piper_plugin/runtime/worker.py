@@ -7,6 +7,7 @@ the metrics: loss (the global mean, on last-stage ranks), step time, tokens/s an
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from datetime import timedelta
@@ -54,6 +55,8 @@ class Worker:
         self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device)
         self.loss_group = self._loss_group(program)
         self.step_index = 0
+        gc.collect()
+        gc.freeze()  # model, plan and DAG live for the whole job: keep them out of every collection
 
     def _loss_group(self, program: Program):
         """All ranks holding the loss region, so every last-stage rank reports the global loss."""
