@@ -58,6 +58,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     train.add_argument("--address", metavar="HOST:PORT",
                        help="join an existing Ray cluster (started with RAY_AUTH_MODE=disabled ray start --head) "
                             "instead of starting a local one")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cpu: gloo between ranks; cuda: one GPU per rank (LOCAL_RANK), NCCL, one CUDA "
+                            "stream per logical stream (default: cpu)")
     train.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
                        help="seconds without progress before the job is stopped (default: 60)")
     train.add_argument("--metrics", type=Path, metavar="FILE.jsonl",
@@ -87,6 +90,14 @@ def _check(args: argparse.Namespace, setup) -> int:
         if int(env_world) != world:
             raise UsageError(f"torchrun started {env_world} ranks but the schedule needs pp x dp x ep = {world}; "
                              f"use --nproc_per_node {world}")
+    if args.device == "cuda" and not (args.launcher == "ray" and args.address):  # ranks on this machine
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        needed = 1 if args.launcher == "spmd" else world  # under torchrun: this process's LOCAL_RANK
+        if have < needed:
+            raise UsageError(f"--device cuda needs one GPU per rank: {needed} rank(s) here but {have} GPU(s); "
+                             "use --device cpu, or --address of a Ray cluster with GPUs")
     if args.address:
         _reachable(args.address)
     from piper_plugin.data.text import token_stream
@@ -121,7 +132,7 @@ def run_train(args: argparse.Namespace) -> int:
     batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
     layers = max(setup.stages, 2)
     job = toy_job(setup.apply, model=args.model, stages=setup.stages, layers=layers, batch=batch, seq=args.seq,
-                  steps=args.steps, lr=args.lr, seed=args.seed, timeout_s=args.timeout)
+                  steps=args.steps, lr=args.lr, seed=args.seed, timeout_s=args.timeout, device=args.device)
     spmd = args.launcher == "spmd"
     leader = not spmd or int(os.environ.get("RANK", "0")) == 0
     say = print if leader else (lambda *a, **k: None)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from piper_plugin.cli import main
 
@@ -106,7 +107,11 @@ BAD = [
     (["--launcher", "fork", "--batch", "9"], "split(4): batch 9 is not divisible by 4 microbatches"),
     (["--launcher", "spmd"], "--launcher spmd runs inside torchrun"),
     (["--timeout", "0"], "argument --timeout: must be a positive number"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
 ]
+
+if not torch.cuda.is_available():
+    BAD.append((["--device", "cuda", "--launcher", "fork"], "--device cuda needs one GPU per rank: 2 rank(s) here but 0"))
 
 
 @pytest.mark.parametrize("argv,reason", BAD, ids=[" ".join(a) for a, _ in BAD])

@@ -99,7 +99,8 @@ def run_ray(job: Job, program, plan, *, address: str | None = None,
     owned = start_ray(address, num_cpus=max(2, os.cpu_count() or 2))
     local = address is None
     world = plan.grid.world_size
-    cls = ray.remote(num_cpus=min(1.0, (os.cpu_count() or 2) / world), max_concurrency=2)(RankActor)
+    gpus = 1 if job.device == "cuda" else 0  # Ray sets CUDA_VISIBLE_DEVICES: each actor sees its own GPU
+    cls = ray.remote(num_cpus=min(1.0, (os.cpu_count() or 2) / world), num_gpus=gpus, max_concurrency=2)(RankActor)
     actors = [cls.remote() for _ in range(world)]
     ranks = list(range(world))
     try:
