@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import sys
 import time
 from pathlib import Path
@@ -100,7 +99,6 @@ def tiny_job(recipe: str, pp: int, per_rank: int, microbatches: int, seed: int =
                optimizer_fn=_adamw, steps=0, seed=seed, timeout_s=120.0)
 
 
-VARIANTS = ("shipped", "gc-freeze")
 TORCH_SCHEDULES = {"1f1b": ("Schedule1F1B", "loop"), "interleaved-1f1b": ("ScheduleInterleaved1F1B", "loop")}
 
 
@@ -154,10 +152,7 @@ def _bare(worker, repeats: int) -> float:
     return best
 
 
-def _timed(worker, warmup: int, steps: int, freeze: bool) -> dict[str, Any]:
-    if freeze:  # the proposed Worker change: long-lived objects out of the collector's way
-        gc.collect()
-        gc.freeze()
+def _timed(worker, warmup: int, steps: int) -> dict[str, Any]:
     nodes = worker.plan.dag.nodes
     times, handlers = [], []
     for _ in range(warmup + steps):
@@ -174,7 +169,7 @@ def _timed(worker, warmup: int, steps: int, freeze: bool) -> dict[str, Any]:
             "kinds": kinds, "bare": _bare(worker, 5), "cpu_total": time.process_time()}
 
 
-def measure(name: str, args: argparse.Namespace, variant: str) -> dict[str, Any]:
+def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     recipe, pp, per_rank = CONFIGS[name]
     job = tiny_job(recipe, pp, per_rank, args.microbatches, args.seed)
     program, _, plan, _ = compile_job(job)
@@ -182,17 +177,15 @@ def measure(name: str, args: argparse.Namespace, variant: str) -> dict[str, Any]
         wait_for_quiet(args.quiet_wait)
     with ForeignLoad() as load:
         per_rank_results = run_forked(job, program, plan, body=functools.partial(
-            _timed, warmup=args.warmup, steps=args.steps, freeze=variant == "gc-freeze"))
+            _timed, warmup=args.warmup, steps=args.steps))
         load.add_own(per_rank_results)
     steps = slowest_rank_times(per_rank_results)
     step, best = median(steps), min(steps)
-    torch_steps = [float("nan")]
-    if variant == "shipped":
-        torch_steps = _torch_steps(job, recipe, pp, per_rank, args)
+    torch_steps = _torch_steps(job, recipe, pp, per_rank, args)
     worst = max(per_rank_results.values(), key=lambda r: (step - r["bare"]) / r["tasks"])
     tasks = worst["tasks"]
     best_handlers = worst["handlers"][steps.index(best)]  # the slowest rank's, in the best step
-    return {"config": name, "variant": variant, "load": load.cores, "microbatches": args.microbatches,
+    return {"config": name, "load": load.cores, "microbatches": args.microbatches,
             "tasks": tasks, "kinds": worst["kinds"], "step": step, "best": best, "in_handlers": best_handlers,
             "bare": worst["bare"], "overhead": (step - worst["bare"]) / tasks,
             "overhead_best": (best - worst["bare"]) / tasks, "executor_best": (best - best_handlers) / tasks,
@@ -213,8 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.task_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG",
                    help=f"any of: {', '.join(repr(c) for c in CONFIGS)}")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                   help="shipped: the runtime as it is; gc-freeze: gc.collect() + gc.freeze() before the first step")
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
@@ -241,13 +232,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     code_version()  # the engine as imported now, before any rank forks
     command = command_line("task_overhead", args, parser)
     print(command, flush=True)
-    rows = [measure(name, args, variant) for name in args.configs for variant in args.variants]
+    rows = [measure(name, args) for name in args.configs]
     round_trip = median([run_ranks(2, _gloo_round_trip)[0] for _ in range(args.round_trips)])
     table = markdown_table(
-        ["configuration", "runtime", "tasks/rank", "task kinds", "step ms: median / best",
+        ["configuration", "tasks/rank", "task kinds", "step ms: median / best",
          "in handlers ms (best step)", "bare chunks ms", "overhead/task us: median / best step",
          "executor/task us (best step)", "torch.pipelining step ms: median / best", "other load, cores"],
-        [[r["config"], r["variant"], r["tasks"], " ".join(f"{k}:{v}" for k, v in sorted(r["kinds"].items())),
+        [[r["config"], r["tasks"], " ".join(f"{k}:{v}" for k, v in sorted(r["kinds"].items())),
           f"{_ms(r['step'])} / {_ms(r['best'])}", _ms(r["in_handlers"]), _ms(r["bare"]),
           f"**{_us(r['overhead'])}** / **{_us(r['overhead_best'])}**", _us(r["executor_best"]),
           "" if r["torch_step"] != r["torch_step"] else f"{_ms(r['torch_step'])} / {_ms(r['torch_best'])}",
@@ -255,10 +246,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
          for r in rows])
     print(table)
     print(f"gloo round trip (1 float, send + recv, 2 local ranks): {_us(round_trip)} us")
-    shipped = [r for r in rows if r["variant"] == "shipped"] or rows
     verdicts = "; ".join(f"{r['config']}: {_us(r['overhead'])} us (best step {_us(r['overhead_best'])} us), "
-                         f"{'meets' if r['overhead'] < 100e-6 else 'misses'} the goal" for r in shipped)
-    print(f"overhead per task, shipped runtime, median step (goal < 100 us): {verdicts}")
+                         f"{'meets' if r['overhead'] < 100e-6 else 'misses'} the goal" for r in rows)
+    print(f"overhead per task, median step (goal < 100 us): {verdicts}")
     text = "\n".join([
         "# Per-task overhead of Piper's executor", "",
         f"Command: `{command}`", "",
@@ -267,15 +257,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "per microbatch. Slowest rank shown; tasks = every task of the rank's plan (compute and P2P). "
         "'in handlers' = summed duration of the compute tasks around `execute`; 'bare chunks' = the same "
         "chunk forwards/backwards and optimizer steps called directly, best of 5; overhead/task = (step - bare "
-        "chunks) / tasks; executor/task = (step - in handlers) / tasks. 'gc-freeze' = the same runtime with "
-        "`gc.collect(); gc.freeze()` once before the first step (a proposed change to `Worker`). 'Other load' = "
+        "chunks) / tasks; executor/task = (step - in handlers) / tasks. 'Other load' = "
         "cores other processes kept busy meanwhile (this machine is shared; the best step is the least "
         "disturbed one).", "",
         table, "",
         f"Gloo round trip between two local ranks (1 float, blocking send + recv): {_us(round_trip)} us. With two "
         "ranks a tiny step is a chain of such messages, which bounds the two-rank rows from below for any "
         "engine; compare with the torch.pipelining column.", "",
-        f"Overhead per task, shipped runtime, median step (goal < 100 us): {verdicts}.", "",
+        f"Overhead per task, median step (goal < 100 us): {verdicts}.", "",
     ])
     path = write_result(args.out, "task_overhead.md", text)
     print(f"wrote {path}")
