@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the compiled plan as JSON")
     plan.set_defaults(run=_run_plan)
     add_train_parser(commands)
+    from piper_plugin.adapters.torchtitan.ray_launch import add_launch_parser
+
+    add_launch_parser(commands)
     return parser
 
 
@@ -318,5 +321,8 @@ def _memory_table(result) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+if __name__ == "__main__":  # run the imported module's main: its UsageError is the one subcommands raise
+    from piper_plugin.cli import main as _imported_main
+
+    sys.exit(_imported_main())
