@@ -71,3 +71,26 @@ def test_memory_check_smoke(tmp_path, capsys):
     assert [(r[0], r[1]) for r in table] == expected
     for r in rows:
         assert r["sim"] > 0 and r["measured"] > 0 and r["sim_fixed"] > 0 and r["measured_fixed"] > 0
+
+
+def test_torchtitan_ab_smoke(tmp_path, capsys):
+    """One schedule, one round, two steps of the real torchtitan.train per engine (~1 min)."""
+    import pytest
+
+    pytest.importorskip("torchtitan")
+    from benchmarks import torchtitan_ab
+
+    out = tmp_path / "titan_ab.md"
+    summary = torchtitan_ab.main(["--schedules", "1F1B", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                                  "--seq", "32", "--batch", "2", "--out", str(out)])
+    assert capsys.readouterr().out.startswith("python -m benchmarks.torchtitan_ab ")
+    text = out.read_text()
+    assert "Command: `python -m benchmarks.torchtitan_ab" in text
+    runs, ratios = _tables(text)
+    assert [(r[0], r[1]) for r in runs] == [("1F1B", "torch"), ("1F1B", "piper")]
+    assert [r[0] for r in ratios] == ["1F1B"]
+    s = summary["1F1B"]
+    assert s["torch_tps"] > 0 and s["piper_tps"] > 0 and s["ratio"] > 0
+    for engine in ("torch", "piper"):  # a measured peak for each of the two ranks
+        assert sorted(s[f"{engine}_mem"]) == [0, 1] and all(m > 2 ** 20 for m in s[f"{engine}_mem"].values())
+    assert abs(s["piper_loss"] - s["torch_loss"]) <= 1e-4 * abs(s["torch_loss"])

@@ -3,17 +3,19 @@
 Every stock TorchTitan config function is reachable here by its own name (``llama3_debugmodel``,
 ``deepseek_v3_debugmodel``, ...): it returns the stock config as a ``PiperTrainer.Config`` (so
 ``--parallelism.pipeline_engine`` and ``--piper.*`` parse), with the CPU fixes applied when there
-is no accelerator. Drop-in configs set the pipeline for a quick start.
+is no accelerator. Drop-in configs set the pipeline for a quick start: ``<stock>_pp2_<schedule>``
+(schedule gpipe, 1f1b, interleaved or dualpipev) for any stock config without tied embeddings.
 """
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Callable
 
 from piper_plugin.adapters.torchtitan.trainer import PiperTrainer, to_piper_config
 
-__all__ = ["stock_config_fn", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
-           "llama3_debugmodel_pp2_gpipe", "deepseek_v3_debugmodel_pp2_1f1b"]
+__all__ = ["stock_config_fn", "SCHEDULES", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
+           "llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev", "deepseek_v3_debugmodel_pp2_1f1b"]
 
 # The model packages searched for stock config functions, in this order.
 _MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
@@ -21,18 +23,20 @@ _MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", 
 
 def stock_config_fn(name: str) -> Callable[[], object]:
     """The stock TorchTitan config function ``name`` (searched in every model's config_registry)."""
-    for model in _MODELS:
-        if not name.startswith(model.split("_")[0]) and model not in ("llama3",):
-            continue
+    likely = [m for m in _MODELS if name.startswith(m.split("_")[0])]  # qwen35_* lives in qwen3_5
+    failed: dict[str, str] = {}
+    for model in likely + [m for m in _MODELS if m not in likely]:
         try:
             registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-        except Exception:  # noqa: BLE001 - a model package that cannot import here
+        except Exception as exc:  # noqa: BLE001 - a model package that cannot import here
+            failed[model] = f"{type(exc).__name__}: {exc}"
             continue
         fn = getattr(registry, name, None)
         if callable(fn):
             return fn
+    why = "".join(f"; torchtitan.models.{m} does not import here ({failed[m]})" for m in likely if m in failed)
     raise AttributeError(f"no TorchTitan config function named {name!r} (searched the config_registry "
-                         f"of {', '.join(_MODELS)})")
+                         f"of {', '.join(_MODELS)}){why}")
 
 
 def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
@@ -49,13 +53,34 @@ def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
 def __getattr__(name: str):
     if name.startswith("_"):
         raise AttributeError(name)
-    fn = _wrap(name)
+    match = _DROP_IN.fullmatch(name)
+    fn = _drop_in(name, match[1], match[2]) if match else _wrap(name)
     globals()[name] = fn
     return fn
 
 
+# ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
+_DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
+
+
+def _drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
+    stock_config_fn(base)  # fail now, naming the missing stock config
+
+    def config_fn() -> PiperTrainer.Config:
+        return _pp2(base, SCHEDULES[schedule])
+
+    config_fn.__name__ = config_fn.__qualname__ = name
+    config_fn.__doc__ = f"TorchTitan's {base}, 2 pipeline ranks, {SCHEDULES[schedule]} run by Piper."
+    return config_fn
+
+
 def _pp2(base: str, schedule: str, engine: str = "piper", **training) -> PiperTrainer.Config:
     config = to_piper_config(stock_config_fn(base)())
+    if getattr(config.model_spec.model, "enable_weight_tying", False):
+        raise ValueError(f"{base} ties tok_embeddings and lm_head (enable_weight_tying), which TorchTitan rejects "
+                         f"under pipeline parallelism for either engine; use an untied config (e.g. the model's "
+                         f"MoE debug config) or run it with --parallelism.pipeline_parallel_degree 1")
     config.parallelism.pipeline_parallel_degree = 2
     config.parallelism.pipeline_parallel_schedule = schedule
     config.parallelism.pipeline_engine = engine
@@ -74,6 +99,7 @@ def llama3_debugmodel_pp2_1f1b() -> PiperTrainer.Config:
 
 
 def llama3_debugmodel_pp2_gpipe() -> PiperTrainer.Config:
+    """GPipe: all forwards, then all backwards; 2 stages on 2 ranks, run by Piper."""
     return _pp2("llama3_debugmodel", "GPipe")
 
 

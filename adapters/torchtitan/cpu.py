@@ -5,9 +5,12 @@ HOST_FRAMEWORKS.md); none edits a TorchTitan file:
 
 * ``use_cpu_device`` re-points the ``device_type`` / ``device_module`` copies TorchTitan's
   modules bound at import to "cpu" and a torch.cpu-based module (``set_device`` runs first
-  thing in ``Trainer.__init__``, so this must happen before it);
-* ``use_sdpa_attention`` swaps every FlexAttention config in the model config tree for SDPA
-  (FlexAttention has no CPU backward; SDPA masks causally, not per document);
+  thing in ``Trainer.__init__``, so this must happen before it); its memory stats are the rank
+  process's peak RSS, reset after each logged step (so ``memory:`` is that step's peak RSS);
+* ``use_sdpa_attention`` swaps every FlexAttention / VarlenAttention config in the model config
+  tree for ``CpuAttention``, TorchTitan's SDPA plus sliding windows and the ``out_transform``
+  (attention sink) epilogue (Flex has no CPU backward, Varlen is CUDA only; causal over the
+  whole sequence, not per document);
 * ``offline_assets`` points the tokenizer and the data loader at the BPE tokenizer and corpus
   shipped in ``piper_plugin/data/assets`` (registered as the dataset ``piper_corpus``).
 """
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 __all__ = ["ASSETS", "DATASET", "use_cpu_device", "use_sdpa_attention", "offline_assets",
-           "register_dataset", "apply_cpu_fixes", "on_cpu"]
+           "register_dataset", "apply_cpu_fixes", "on_cpu", "peak_rss_bytes", "reset_peak_rss", "cpu_attention"]
 
 import piper_plugin as _piper
 
@@ -58,11 +61,37 @@ class _Props:
             return 1 << 34
 
 
-def _memory_stats() -> dict[str, int]:
-    """The process's peak resident set size stands in for device memory peaks."""
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``VmHWM``): since the last
+    :func:`reset_peak_rss`, or since the process started where the reset is unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; never reset
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak RSS from the current RSS (Linux >= 4.0: ``5`` to ``/proc/self/clear_refs``).
+    Returns False where that is not possible (the peak then keeps counting from process start)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _memory_stats() -> dict[str, int]:
+    """TorchTitan's memory monitor reads peaks here and resets them after every logged step, so
+    on CPU its ``memory:`` figure is the rank process's peak RSS over that step (all of the
+    process's memory, not only tensors: Python, libraries, allocator slack included)."""
+    peak = peak_rss_bytes()
     return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
             "num_ooms": 0}
 
@@ -80,7 +109,7 @@ def _cpu_device_module() -> types.ModuleType:
     mod.get_device_name = lambda *a, **k: "cpu"
     mod.get_device_properties = lambda *a, **k: _Props()
     mod.memory_stats = lambda *a, **k: _memory_stats()
-    mod.reset_peak_memory_stats = lambda *a, **k: None
+    mod.reset_peak_memory_stats = lambda *a, **k: reset_peak_rss()
     mod.empty_cache = lambda *a, **k: None
     mod.is_available = lambda: True
     return mod
@@ -106,37 +135,103 @@ def use_cpu_device() -> None:
             init.__defaults__ = ("cpu:0",)
 
 
-def _replace_flex(node: Any, seen: set[int]) -> Any:
-    """A copy-free walk of a config tree replacing FlexAttention configs with SDPA ones."""
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+def _cpu_attention_class():
+    """``CpuAttention``: TorchTitan's SDPA inner attention plus what Flex/Varlen give a model
+    that SDPA drops: a causal sliding window and the ``out_transform(out, lse)`` epilogue
+    (GPT-OSS's attention sinks). Maskless: causal over the whole sequence, not per document."""
+    import math
 
+    import torch.nn.functional as F
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    class CpuAttention(ScaledDotProductAttention):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(ScaledDotProductAttention.Config):
+            window: int = -1
+            """Keys a query may look back at besides itself (-1: unlimited), as Varlen's ``window_size[0]``."""
+
+        def __init__(self, config: "CpuAttention.Config") -> None:
+            super().__init__(config)
+            self.window = config.window
+
+        def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False,
+                    is_causal=True, out_transform=None, **kwargs):  # argument names: TorchTitan's sharding keys
+            q, k, v = q_BLNH, k_BLNH, v_BLNH
+            seq = q.shape[1]
+            windowed = 0 <= self.window < seq - 1
+            if out_transform is None and not windowed:
+                return super().forward(q, k, v, attention_masks=attention_masks, scale=scale,
+                                       enable_gqa=enable_gqa, is_causal=is_causal)
+            if attention_masks is not None or not is_causal:
+                raise ValueError("CpuAttention is causal and maskless (the CPU path builds no attention masks)")
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, L, H)
+            if k.shape[1] != q.shape[1]:  # grouped-query attention
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+            pos = torch.arange(seq, device=q.device)
+            allowed = pos[None, :] <= pos[:, None]
+            if windowed:
+                allowed &= pos[None, :] >= pos[:, None] - self.window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            lse = torch.logsumexp(scores.float(), dim=-1)  # (B, N, L)
+            out = (F.softmax(scores.float(), dim=-1).to(v.dtype) @ v).transpose(1, 2)  # (B, L, N, H)
+            return out if out_transform is None else out_transform(out, lse.transpose(1, 2))
+
+    return CpuAttention
+
+
+_CPU_ATTENTION: list[type] = []
+
+
+def cpu_attention() -> type:
+    """The ``CpuAttention`` class (built once: its Config must stay one class for isinstance)."""
+    if not _CPU_ATTENTION:
+        _CPU_ATTENTION.append(_cpu_attention_class())
+    return _CPU_ATTENTION[0]
+
+
+def _window_of(node: Any) -> int | None:
+    size = getattr(node, "sliding_window_size", None) if not isinstance(node, type) else None
+    return size if isinstance(size, int) else None
+
+
+def _replace_attention(node: Any, seen: set[int], window: int | None, cls: type) -> Any:
+    """A copy-free walk of a config tree replacing Flex / Varlen inner-attention configs with
+    ``cls.Config``; a window comes from Varlen's ``window_size`` or the enclosing attention
+    config's ``sliding_window_size`` (how GPT-OSS / muse_glimmer declare it for Flex)."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    if isinstance(node, VarlenAttention.Config):
+        return cls.Config(window=node.window_size[0])
     if isinstance(node, FlexAttention.Config):
-        return ScaledDotProductAttention.Config()
+        return cls.Config(window=window - 1 if window else -1)
     if id(node) in seen:
         return node
     seen.add(id(node))
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        inner = _window_of(node) or window
         for f in dataclasses.fields(node):
             value = getattr(node, f.name, None)
-            new = _replace_flex(value, seen)
+            new = _replace_attention(value, seen, inner, cls)
             if new is not value:
                 object.__setattr__(node, f.name, new)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            new = _replace_flex(value, seen)
+            new = _replace_attention(value, seen, window, cls)
             if new is not value:
                 node[i] = new
     elif isinstance(node, dict):
         for k, value in list(node.items()):
-            new = _replace_flex(value, seen)
+            new = _replace_attention(value, seen, window, cls)
             if new is not value:
                 node[k] = new
     return node
 
 
 def use_sdpa_attention(model_config: Any) -> Any:
-    """Swap FlexAttention for SDPA everywhere in ``model_config`` (in place; returned)."""
-    return _replace_flex(model_config, set())
+    """Swap FlexAttention / VarlenAttention (no CPU backward / CUDA only) for ``CpuAttention``,
+    an SDPA subclass, everywhere in ``model_config`` (in place; returned)."""
+    return _replace_attention(model_config, set(), None, cpu_attention())
 
 
 def register_dataset(name: str = DATASET, path: Path | str | None = None) -> None:
