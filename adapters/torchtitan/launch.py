@@ -70,8 +70,9 @@ def run_titan(config: str, engine: str, *, dump_folder: str | Path, nproc: int =
     """Run one training job; ``dump_folder`` keeps its outputs (and is the working directory)."""
     dump = Path(dump_folder)
     dump.mkdir(parents=True, exist_ok=True)
+    # extra goes last: a tyro subcommand there (e.g. ``activation-checkpoint:none``) scopes what follows
     cmd = titan_command(config, engine, nproc=nproc, steps=steps,
-                        extra=[*extra, "--dump_folder", str(dump)])
+                        extra=["--dump_folder", str(dump), *extra])
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     try:

@@ -28,6 +28,7 @@ from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
 from piper_plugin.adapters.torchtitan.program import LocalStages, StageChunk, StageProgram, hidden_name
+from piper_plugin.adapters.torchtitan.spmd_threads import caller_spmd_context
 
 __all__ = ["PiperPipelineSchedule", "HostOptimizer"]
 
@@ -54,13 +55,15 @@ def _backward_weight_through_hooks(state: RankState, node) -> None:
     FSDP's hooks land the weight gradients in ``param.grad``. Input gradients were sent by BI;
     the ones this recomputes go to the step-local leaves and are dropped."""
     key = (node.region, node.microbatch)
-    pending = state.pending_bw.pop(key)
-    outs, grads = pending.outs, pending.grads
-    leaves, _ = state.saved.pop(key)
-    if outs:
-        torch.autograd.backward(outs, grads)
-    for leaf in leaves.values():
-        leaf.grad = None
+    state.take(node.key)  # BI already read these gradients; drop BW's copies
+    if key in state.pending_bw:  # else its BI ran the full backward (fused: BW right after it)
+        pending = state.pending_bw.pop(key)
+        outs, grads = pending.outs, pending.grads
+        leaves, _ = state.saved.pop(key)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        for leaf in leaves.values():
+            leaf.grad = None
     state.finished(node.key)
 
 
@@ -79,6 +82,7 @@ class PiperPipelineSchedule:
         self.comm = DistComm(plan, rank, specs, timeout_s)  # collective: every rank builds it now
         self._state: RankState | None = None
         self._runner: StreamRunner | None = None
+        self._spmd_context = None
         placement = plan.dag.meta["placement"]
         self.stage_rank = {int(r): pp for r, pp in placement.items()}
         self._eval_group = dist.new_group(list(range(plan.grid.world_size)))
@@ -99,6 +103,12 @@ class PiperPipelineSchedule:
         return self._state
 
     def _execute(self, key: str) -> None:
+        if self._spmd_context is not None:  # TorchTitan's thread-local SPMD meshes (spmd_types backend)
+            with self._spmd_context():
+                return self._execute_node(key)
+        return self._execute_node(key)
+
+    def _execute_node(self, key: str) -> None:
         node = self.plan.dag.nodes[key]
         if node.kind == Kind.BW and self._fsdp:
             _backward_weight_through_hooks(self._state, node)
@@ -133,6 +143,7 @@ class PiperPipelineSchedule:
         state.inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
         state.losses = []
         state.meter.reset_peak()
+        self._spmd_context = caller_spmd_context()
         self._runner.run_step()
         self.comm.wait_sends()
         if losses is not None and self.has_last_stage:
