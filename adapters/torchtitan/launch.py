@@ -48,7 +48,7 @@ def parse_steps(log: str) -> tuple[dict[int, float], dict[int, float], dict[int,
         if not match:
             continue
         step, loss, norm, rate = int(match[1]), float(match[2]), float(match[3]), int(match[4].replace(",", ""))
-        if loss != -1.0:  # non-last pipeline stages print -1
+        if loss >= 0:  # non-last pipeline stages print -1 (summed over data-parallel replicas: -dp)
             losses[step] = loss
         norms[step] = norm
         tps.setdefault(step, []).append(rate)

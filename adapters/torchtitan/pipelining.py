@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torchtitan.distributed.pipeline_parallel import (
     _generate_llm_fqn_per_model_part, _get_pipeline_metadata, _split_module,
 )
@@ -94,11 +95,12 @@ def _compile(program, schedule_fn, world: int):
 def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                         dump_folder: str, device: torch.device, model_config, parallelize_fn, loss_fn,
                         options=None) -> tuple[PiperPipelineSchedule, list[nn.Module], bool, bool]:
-    pp = parallel_dims.pp
-    if parallel_dims.world_size != pp:
+    pp, dp = parallel_dims.pp, parallel_dims.dp_replicate
+    if parallel_dims.world_size != pp * dp:
         raise ValueError(
-            f"--parallelism.pipeline_engine=piper runs pipeline parallelism only for now (pp={pp}, world={parallel_dims.world_size});"
-            f" set data/tensor/context/expert parallel degrees to 1 or use pipeline_engine=torch")
+            f"--parallelism.pipeline_engine=piper runs pipeline x data_parallel_replicate parallelism for now "
+            f"(pp={pp}, dp_replicate={dp}, world={parallel_dims.world_size}); set data_parallel_shard_degree, "
+            f"tensor/context/expert parallel degrees to 1, or use pipeline_engine=torch")
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         num_stages, num_layers, input_weight, output_weight)
@@ -138,15 +140,38 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     # 3. the plan over the parts as they will run (parameter names after wrapping)
     program = build_stage_program(parts, **sizes)
     plan = _compile(program, schedule_fn, pp)
-    check_plan_hash(plan)
+    check_plan_hash(plan, replicas=dp)
     result = simulate(plan)
-    logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks, {microbatches} microbatches, "
+    replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
+    logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{replicas}, {microbatches} microbatches, "
                 f"plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
-    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), dtype) for s in range(num_stages - 1)}
+    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), _hidden_dtype(model_parts, training, dtype))
+             for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
-                                     rank=dist.get_rank(), specs=specs,
-                                     timeout_s=getattr(options, "timeout_s", 300.0), recipe=label)
+                                     rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
+                                     recipe=label, replicas=_replicas(parallel_dims))
     return schedule, [model_parts[s] for s in local], 0 in model_parts, num_stages - 1 in model_parts
+
+
+def _hidden_dtype(parts: dict[int, nn.Module], training, param_dtype: torch.dtype) -> torch.dtype:
+    """What stages hand each other: FSDP's mixed-precision policy (``mixed_precision_param``)
+    casts the parameters, hence the activations, of wrapped parts; otherwise the parameters' dtype."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    wrapped = any(isinstance(m, FSDPModule) for p in parts.values() for m in p.modules())
+    return TORCH_DTYPE_MAP[training.mixed_precision_param] if wrapped else param_dtype
+
+
+def _replicas(parallel_dims) -> list[list[int]]:
+    """Process ranks of every pipeline replica, each ordered by pipeline rank (collective).
+
+    With ``data_parallel_replicate_degree`` > 1 each replica runs the same Piper plan over its
+    own ``pp`` mesh group; TorchTitan's FSDP (HSDP) wrapper all-reduces their gradients."""
+    group = parallel_dims.get_mesh("pp").get_group()
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
 
 
 def make_pipelining_fn(options=None) -> Callable[..., Any]:

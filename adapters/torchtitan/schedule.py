@@ -4,7 +4,9 @@
 :class:`RankState`, runs the plan's streams and waits for outstanding sends: the same per-step
 executor as Piper's Worker. Gradients stay in ``param.grad`` for TorchTitan's clip + optimizer
 step: the plan's UPDATE nodes run a no-op optimizer, and the loss gradient is 1 because
-TorchTitan's loss already divides by the global number of valid tokens.
+TorchTitan's loss already divides by the global number of valid tokens. FSDP-wrapped parts keep
+unsharded, unreduced gradients during the step and reduce them once after it (:mod:`.fsdp_sync`),
+so B, BI and BW are the core's handlers unchanged.
 
 ``eval`` runs forward only, stage by stage in microbatch order (no backward, nothing to
 schedule), with blocking P2P of the hidden states.
@@ -17,9 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from torch.distributed.fsdp import FSDPModule
-
-from piper_plugin.ir.nodes import COMPUTE, Kind
+from piper_plugin.ir.nodes import COMPUTE
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.rank_state import RankState
@@ -28,6 +28,7 @@ from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
 from piper_plugin.adapters.torchtitan.program import LocalStages, StageChunk, StageProgram, hidden_name
+from piper_plugin.adapters.torchtitan.fsdp_sync import fsdp_roots, hold_gradients, reduce_gradients
 from piper_plugin.adapters.torchtitan.spmd_threads import caller_spmd_context
 
 __all__ = ["PiperPipelineSchedule", "HostOptimizer"]
@@ -49,29 +50,12 @@ class HostOptimizer:
         pass
 
 
-def _backward_weight_through_hooks(state: RankState, node) -> None:
-    """BW for FSDP-wrapped parts: replay the retained graph with ``backward`` (not
-    ``autograd.grad`` w.r.t. the registered parameters, which the forward did not use), so
-    FSDP's hooks land the weight gradients in ``param.grad``. Input gradients were sent by BI;
-    the ones this recomputes go to the step-local leaves and are dropped."""
-    key = (node.region, node.microbatch)
-    state.take(node.key)  # BI already read these gradients; drop BW's copies
-    if key in state.pending_bw:  # else its BI ran the full backward (fused: BW right after it)
-        pending = state.pending_bw.pop(key)
-        outs, grads = pending.outs, pending.grads
-        leaves, _ = state.saved.pop(key)
-        if outs:
-            torch.autograd.backward(outs, grads)
-        for leaf in leaves.values():
-            leaf.grad = None
-    state.finished(node.key)
-
-
 class PiperPipelineSchedule:
     """Duck-types ``torch.distributed.pipelining``'s schedule for TorchTitan's trainer."""
 
     def __init__(self, *, plan: Plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
-                 rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str):
+                 rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
+                 replicas: list[list[int]] | None = None):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
         self.loss_fn = loss_fn
@@ -79,17 +63,18 @@ class PiperPipelineSchedule:
         self.specs = specs
         self.microbatches = plan.microbatches
         self.num_stages = len(program.regions)
-        self.comm = DistComm(plan, rank, specs, timeout_s)  # collective: every rank builds it now
+        # collective: every process builds every replica's communicators now. ``rank`` is this
+        # process's plan rank (its pipeline rank); ``replicas`` maps plan ranks to process ranks
+        # per data-parallel replica, whose gradients TorchTitan's FSDP/HSDP wrapper reduces.
+        self.comm = DistComm(plan, rank, specs, timeout_s, replicas=replicas)
         self._state: RankState | None = None
         self._runner: StreamRunner | None = None
         self._spmd_context = None
         placement = plan.dag.meta["placement"]
         self.stage_rank = {int(r): pp for r, pp in placement.items()}
-        self._eval_group = dist.new_group(list(range(plan.grid.world_size)))
-        # TorchTitan wraps every part in FSDP2 (a no-op all-gather at degree 1): the forward then
-        # runs on unsharded copies of the parameters, so weight gradients must come from a
-        # backward whose FSDP hooks move them to the registered parameters.
-        self._fsdp = any(isinstance(m, FSDPModule) for p in parts.values() for m in p.modules())
+        self._eval_group = dist.new_group(list(range(dist.get_world_size())))
+        # TorchTitan wraps every part in FSDP2: gradients are reduced once, after the step.
+        self._fsdp = fsdp_roots(parts)
         self.has_first_stage = 0 in parts
         self.has_last_stage = self.num_stages - 1 in parts
 
@@ -110,9 +95,7 @@ class PiperPipelineSchedule:
 
     def _execute_node(self, key: str) -> None:
         node = self.plan.dag.nodes[key]
-        if node.kind == Kind.BW and self._fsdp:
-            _backward_weight_through_hooks(self._state, node)
-        elif node.kind in COMPUTE:
+        if node.kind in COMPUTE:
             run_compute(self._state, node)
         else:
             self.comm.run(self._state, node)
@@ -144,8 +127,10 @@ class PiperPipelineSchedule:
         state.losses = []
         state.meter.reset_peak()
         self._spmd_context = caller_spmd_context()
+        hold_gradients(self._fsdp)
         self._runner.run_step()
         self.comm.wait_sends()
+        reduce_gradients(self._fsdp)
         if losses is not None and self.has_last_stage:
             losses.extend(state.losses)
         state.inputs = {}
@@ -169,7 +154,7 @@ class PiperPipelineSchedule:
                     x = carried
                 else:
                     x = self.specs[hidden_name(s - 1)].empty(self._device())
-                    dist.recv(x, src=self.stage_rank[s - 1], group=self._eval_group)
+                    dist.recv(x, src=self.comm.process_rank[self.stage_rank[s - 1]], group=self._eval_group)
                 labels = inputs["labels"][mb] if s == last else None
                 (out,) = chunks[s](x, inputs["kwargs"][mb], labels, {})
                 if s == last:
@@ -178,7 +163,8 @@ class PiperPipelineSchedule:
                 elif self.stage_rank[s + 1] == self.rank:
                     carried = out
                 else:
-                    dist.send(out.contiguous(), dst=self.stage_rank[s + 1], group=self._eval_group)
+                    dist.send(out.contiguous(), dst=self.comm.process_rank[self.stage_rank[s + 1]],
+                              group=self._eval_group)
         return None
 
     def _device(self) -> torch.device:

@@ -4,6 +4,11 @@ Every rank creates the same groups in the same order (``new_group`` is collectiv
 P2P direction and replica pair (``p2p:a>b`` for the ranks sharing dp/ep coordinates) and one
 per (logical stream, axis, member set) of the collectives. A communicator therefore belongs to
 exactly one logical stream, so streams running on their own threads never share one.
+
+A host framework may run the same plan once per data-parallel replica (its own wrapper reduces
+the gradients): ``replicas[i][r]`` is then the process rank of plan rank ``r`` in replica ``i``.
+Every process creates every replica's communicators (in replica order), keeps its own, and
+addresses peers by process rank; plan ranks stay what the plan, its state and its streams use.
 """
 from __future__ import annotations
 
@@ -38,15 +43,25 @@ def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
 
 class DistComm:
     def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), replicas: list[list[int]] | None = None):
         self.plan, self.rank, self.specs, self.device = plan, rank, specs, device
+        world = plan.grid.world_size
+        replicas = replicas or [list(range(world))]
+        if any(len(r) != world for r in replicas):
+            raise ValueError(f"every replica must list {world} process ranks (one per plan rank): {replicas}")
+        me = dist.get_rank()
+        mine = [r for r in replicas if r[rank] == me]
+        if len(mine) != 1:
+            raise ValueError(f"process rank {me} is not plan rank {rank} of exactly one replica in {replicas}")
+        self.process_rank = mine[0]  # plan rank -> process rank, in this process's replica
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         self.sends: list = []  # (work, tensor): a SEND never blocks its stream (buffered, as simulated)
         timeout = timedelta(seconds=timeout_s)
-        for stream, ranks in communicator_specs(plan):
-            group = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
-            if rank in ranks:
-                self.groups[(stream, ranks)] = group
+        for replica in replicas:
+            for stream, ranks in communicator_specs(plan):
+                group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
+                if replica is mine[0] and rank in ranks:
+                    self.groups[(stream, ranks)] = group
 
     def wait_sends(self) -> None:
         for work, _ in self.sends:
@@ -69,7 +84,7 @@ class DistComm:
             for name in sorted(values):
                 if isinstance(values[name], torch.Tensor):
                     tensor = values[name].contiguous()
-                    self.sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
+                    self.sends.append((dist.isend(tensor, dst=self.process_rank[dst], group=group), tensor))
             state.finished(node.key)
         elif node.kind == Kind.RECV:
             src = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
@@ -81,7 +96,7 @@ class DistComm:
                     out[name] = spec.constant
                     continue
                 out[name] = spec.empty(self.device)
-                dist.recv(out[name], src=src, group=group)
+                dist.recv(out[name], src=self.process_rank[src], group=group)
             comm_ops.absorb(state, node, out)
         else:
             members, group = self._group(node)

@@ -20,14 +20,17 @@ class PlanMismatch(RuntimeError):
     pass
 
 
-def check_plan_hash(plan) -> None:
+def check_plan_hash(plan, replicas: int = 1) -> None:
+    """Every process compiled the same plan, and the job has its ranks once per ``replicas``
+    (data-parallel copies of the plan a host framework reduces itself)."""
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, plan.hash())
     if len(set(hashes)) != 1:
         raise PlanMismatch(f"ranks compiled different plans (hash per rank: {hashes}); run the same code "
                            f"and flags on every rank")
-    if plan.grid.world_size != dist.get_world_size():
-        raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep) but the job has "
+    if plan.grid.world_size * replicas != dist.get_world_size():
+        copies = f" x {replicas} replicas" if replicas > 1 else ""
+        raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep){copies} but the job has "
                            f"{dist.get_world_size()}; set --nproc_per_node accordingly")
 
 
