@@ -72,7 +72,9 @@ class MemoryMeter:
                 self.current += nbytes
                 if self.current > self.peak:
                     self.peak = self.current
-        return _Held(t, self, ptr, nbytes)
+        # Hold a detached alias: a saved *output* holding its own grad_fn would make a cycle through
+        # autograd's C++ graph that no collector sees (it leaked whenever a graph was retained).
+        return _Held(t.detach(), self, ptr, nbytes)
 
 
 def _unpack(obj):
