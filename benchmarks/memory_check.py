@@ -87,7 +87,7 @@ class StorageMeter(MemoryMeter):
         def pack(t: torch.Tensor):
             if t.device.type == "meta" or self._is_param(t):
                 return t
-            held = _Saved(t)
+            held = _Saved(t.detach())  # not t: a saved output would hold its own graph alive
             self._count(t, held)
             return held
 
