@@ -71,13 +71,7 @@ class StorageMeter(MemoryMeter):
 
     def _count(self, t: torch.Tensor, owner: Any) -> None:
         """Count ``t``'s storage once while any ``owner`` registered for it is alive."""
-        storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        with self._lock:
-            count = self._refs.get(ptr, 0)
-            self._refs[ptr] = count + 1
-        if count == 0:
-            self.add(nbytes)
+        ptr, nbytes = self.count_storage(t)
         weakref.finalize(owner, self._drop, ptr, nbytes)
 
     def _is_param(self, t: torch.Tensor) -> bool:

@@ -56,13 +56,8 @@ class MemoryMeter:
                 del self._refs[ptr]
                 self.current -= nbytes
 
-    def saved_tensor_hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, t: torch.Tensor):
-        base = t._base if t._base is not None else t  # linear saves weight.t(), a view
-        if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
-            return t
+    def count_storage(self, t: torch.Tensor) -> tuple[int, int]:
+        """Count ``t``'s storage (once however many holders); the last ``_drop`` uncounts it."""
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         with self._lock:
@@ -72,6 +67,16 @@ class MemoryMeter:
                 self.current += nbytes
                 if self.current > self.peak:
                     self.peak = self.current
+        return ptr, nbytes
+
+    def saved_tensor_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+        if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
+            return t
+        ptr, nbytes = self.count_storage(t)
         # Hold a detached alias: a saved *output* holding its own grad_fn would make a cycle through
         # autograd's C++ graph that no collector sees (it leaked whenever a graph was retained).
         return _Held(t.detach(), self, ptr, nbytes)
