@@ -112,8 +112,11 @@ class StreamRunner:
         for t in threads:
             t.start()
         # The caller only watches: a thread stuck in a collective cannot hide another's failure.
-        while any(t.is_alive() for t in threads) and not abort.is_set():
-            threads[0].join(0.02) if threads[0].is_alive() else next(t for t in threads if t.is_alive()).join(0.02)
+        while not abort.is_set():
+            alive = [t for t in threads if t.is_alive()]  # one snapshot: a thread may end in between
+            if not alive:
+                break
+            alive[0].join(0.02)
             if time.monotonic() > deadline + 1 and not abort.is_set():
                 abort.set()
                 failure.append(TaskFailed(f"rank {self.rank}: step did not finish within {self.timeout_s:.0f}s"))
