@@ -81,11 +81,11 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     outs, grads = list(outs), list(grads)
     input_ids = {id(t) for t in inputs}
     roots = [get_gradient_edge(t) for t in outs]
-    reaches_input, weights_below, leaves = _classify([e.node for e in roots], input_ids)
+    reaches_input, weights_below, weights = _classify([e.node for e in roots], input_ids)
 
     frontier: dict = {}
     for node, reaches in reaches_input.items():
-        if not reaches or node in leaves:
+        if not reaches:
             continue
         below: set[int] = set()
         for child, _ in node.next_functions:
@@ -93,7 +93,7 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 below |= weights_below[child]
         if below:
             frontier[node] = below
-    groups = _group(frontier, leaves)
+    groups = _group(frontier, weights)
 
     root_edges, root_grads, root_weights = [], [], set()
     for edge, g in zip(roots, grads):
@@ -110,9 +110,8 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     finally:
         for handle in handles:
             handle.remove()
-    by_id = {id(v): v for v in leaves.values()}
     pending = PendingWeightGrads(outs, grads, groups, recorded, root_edges, root_grads,
-                                 [by_id[i] for i in sorted(root_weights)])
+                                 [weights[i] for i in sorted(root_weights)])
     return list(got), pending
 
 
@@ -127,11 +126,11 @@ def _classify(roots: list, input_ids: set[int]) -> tuple[dict, dict, dict]:
     """Walk the graph below ``roots`` once (iteratively: graphs can be deep).
 
     Returns, per autograd node: whether it reaches an input leaf; for nodes that do not, the ids
-    of the weight leaves below them; and the accumulator node -> leaf tensor of every weight.
+    of the weight leaves below them; and id -> tensor of every weight leaf.
     """
     reaches: dict = {}
     below: dict = {}
-    leaves: dict = {}
+    weights: dict[int, torch.Tensor] = {}
     stack = [(node, False) for node in roots if node is not None]
     while stack:
         node, expanded = stack.pop()
@@ -149,14 +148,14 @@ def _classify(roots: list, input_ids: set[int]) -> tuple[dict, dict, dict]:
             reaches[node] = is_input
             below[node] = frozenset() if is_input else frozenset((id(leaf),))
             if not is_input:
-                leaves[node] = leaf
+                weights[id(leaf)] = leaf
             continue
         stack.append((node, True))
         stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in reaches)
-    return reaches, below, leaves
+    return reaches, below, weights
 
 
-def _group(frontier: dict, leaves: dict) -> list[_Group]:
+def _group(frontier: dict, weights_by_id: dict[int, torch.Tensor]) -> list[_Group]:
     """Frontier nodes that share a weight end up in one group (union-find over weights)."""
     parent: dict[int, int] = {}
 
@@ -170,11 +169,10 @@ def _group(frontier: dict, leaves: dict) -> list[_Group]:
         first, *rest = weights
         for w in rest:
             parent[find(w)] = find(first)
-    by_id = {id(v): v for v in leaves.values()}
     nodes: dict[int, list] = {}
     weights_of: dict[int, set[int]] = {}
     for node, weights in frontier.items():
         root = find(next(iter(weights)))
         nodes.setdefault(root, []).append(node)
         weights_of.setdefault(root, set()).update(weights)
-    return [_Group(nodes[r], [by_id[w] for w in sorted(weights_of[r])]) for r in nodes]
+    return [_Group(nodes[r], [weights_by_id[w] for w in sorted(weights_of[r])]) for r in nodes]
