@@ -1,18 +1,23 @@
 """A/B: Piper vs TorchTitan's own pipelining, through the real ``torchtitan.train`` entry point.
 
-For each schedule the same drop-in config ``<model>_pp2_<schedule>`` (2 pipeline ranks) runs
-under torchrun with ``--parallelism.pipeline_engine torch`` and ``piper``; each round runs every
-schedule once per engine, the engine that goes first alternating by round (T P, P T, ...) so
-drift of the machine hits both alike. Same seed, data, optimizer and stages; the first
-``--warmup`` steps of each run are dropped. Reported per schedule and engine:
+For each schedule the drop-in config ``<model>_pp2_<schedule>`` (2 pipeline ranks) runs under
+torchrun with ``--parallelism.pipeline_engine alternate``: both engines drive the same stage
+modules, data, optimizer and LR schedule in one job, and the steps alternate torch, piper, piper,
+torch, ... (:mod:`piper_plugin.adapters.torchtitan.alternate`). On a shared machine whose speed
+drifts by tens of percent from run to run, that is the only comparison that holds: neighbouring
+steps see the same machine. The first ``--warmup`` steps are dropped (lazy set-up of both
+engines). Reported per schedule and engine:
 
-* tokens/s: median over all measured steps of all rounds of TorchTitan's own ``tps`` (tokens per
-  second per device), the mean over the two ranks of one step; the ratio is piper / torch;
-* peak memory per rank: TorchTitan's ``memory/max_reserved`` metric for each rank (read from its
-  TensorBoard log, written for every rank), the maximum over the measured steps of a run, median
-  over rounds. On CUDA that is the caching allocator's reserved peak; on CPU it is the rank
+* tokens/s: median over an engine's measured steps (all runs) of TorchTitan's own ``tps``
+  (tokens per second per device), the mean over the two ranks of one step; the ratio is
+  piper / torch. The cycle ratio is the median over complete torch-piper-piper-torch cycles of
+  piper / torch, which cancels a drift inside the run;
+* peak memory per rank: TorchTitan's ``memory/max_reserved`` metric for each rank and step (read
+  from its TensorBoard log, written for every rank), the maximum over an engine's measured steps,
+  median over runs. On CUDA that is the caching allocator's reserved peak; on CPU it is the rank
   process's peak RSS, reset after every step (``adapters/torchtitan/cpu.py``);
-* the loss of the last step of round 0 (both engines must compute the same thing);
+* the loss of the last step (one trajectory: both engines compute the same gradients; the
+  parity tests pin that separately);
 * the cores other processes kept busy during the runs (the machine may be shared).
 
     python -m benchmarks.torchtitan_ab                                   # the published table
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import re
 import shlex
 import sys
 import tempfile
@@ -38,6 +44,7 @@ from piper_plugin.adapters.torchtitan.launch import TitanRun, run_titan, titan_c
 __all__ = ["main", "build_parser", "SCHEDULE_CONFIG", "rank_memory_peaks"]
 
 ENGINES = ("torch", "piper")
+_ENGINE_LINE = re.compile(r"Piper A/B: step (\d+) runs on the (torch|piper) engine")
 # TorchTitan schedule name -> the suffix of its drop-in config (config_registry.SCHEDULES)
 SCHEDULE_CONFIG = {titan: suffix for suffix, titan in SCHEDULES.items()}
 MEMORY_TAG = "memory/max_reserved(GiB)"
@@ -50,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stock TorchTitan config; each run uses its drop-in <model>_pp2_<schedule>")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_CONFIG), choices=list(SCHEDULE_CONFIG),
                         metavar="SCHEDULE", help=f"pipeline_parallel_schedule values: {', '.join(SCHEDULE_CONFIG)}")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="runs per schedule")
+    parser.add_argument("--steps", type=int, default=28, help="steps per run, both engines together")
+    parser.add_argument("--warmup", type=int, default=4, help="steps dropped at the start of each run")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="local batch (microbatches at microbatch size 1)")
     parser.add_argument("--extra", default="", help="more torchtitan.train flags, one string")
@@ -64,74 +71,95 @@ def config_name(model: str, schedule: str) -> str:
     return f"{model}_pp2_{SCHEDULE_CONFIG[schedule]}"
 
 
-def rank_memory_peaks(dump_folder: Path, after_step: int) -> dict[int, float]:
-    """Per rank, the largest ``memory/max_reserved`` (bytes) TorchTitan logged for a step after
-    ``after_step``, read from the TensorBoard files it writes under ``dump_folder/tb``."""
+def rank_memory_by_step(dump_folder: Path) -> dict[int, dict[int, float]]:
+    """rank -> step -> TorchTitan's ``memory/max_reserved`` (bytes) for that step, read from the
+    TensorBoard files it writes under ``dump_folder/tb``."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util.tensor_util import make_ndarray
 
-    peaks: dict[int, float] = {}
+    per_rank: dict[int, dict[int, float]] = {}
     for path in glob.glob(str(dump_folder / "tb" / "*" / "rank_*" / "events.out.tfevents.*")):
         rank = int(Path(path).parent.name.split("_")[1])
         for event in EventFileLoader(path).Load():
             for value in event.summary.value:
-                if value.tag == MEMORY_TAG and event.step > after_step:
+                if value.tag == MEMORY_TAG:
                     gib = float(make_ndarray(value.tensor)) if value.HasField("tensor") else value.simple_value
-                    peaks[rank] = max(peaks.get(rank, 0.0), gib * 2 ** 30)
-    return peaks
+                    per_rank.setdefault(rank, {})[event.step] = gib * 2 ** 30
+    return per_rank
 
 
-def _run(args, schedule: str, engine: str, dump: Path, extra: list[str]) -> tuple[TitanRun, ForeignLoad]:
+def engines_by_step(log: str) -> dict[int, str]:
+    """step -> engine, from the line the alternating schedule logs before each step."""
+    return {int(m[1]): m[2] for m in _ENGINE_LINE.finditer(log)}
+
+
+def _run(args, schedule: str, dump: Path, extra: list[str]) -> tuple[TitanRun, ForeignLoad, dict[int, str]]:
     with ForeignLoad() as load:
-        run = run_titan(config_name(args.model, schedule), engine, dump_folder=dump, steps=args.steps,
-                        extra=extra, timeout_s=900)
+        run = run_titan(config_name(args.model, schedule), "alternate", dump_folder=dump, steps=args.steps,
+                        extra=extra, timeout_s=1800)
     if not run.ok:
         print(run.tail(), file=sys.stderr)
-        raise SystemExit(f"{schedule} {engine} run failed (exit {run.returncode}); command: "
-                         f"{shlex.join(run.command)}")
-    measured = [s for s in run.tps if s > args.warmup]
-    if not measured:
-        raise SystemExit(f"{schedule} {engine}: no step after --warmup {args.warmup} was logged; "
-                         f"raise --steps above --warmup")
-    return run, load
+        raise SystemExit(f"{schedule} run failed (exit {run.returncode}); command: {shlex.join(run.command)}")
+    engines = engines_by_step(run.log)
+    measured = {e for k, e in engines.items() if k > args.warmup and k in run.tps}
+    if measured != set(ENGINES):
+        raise SystemExit(f"{schedule}: after --warmup {args.warmup} steps not both engines ran a logged step; "
+                         f"raise --steps (now {args.steps}) to at least --warmup + 4")
+    return run, load, engines
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.steps <= args.warmup:
-        parser.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.steps < args.warmup + 4:
+        parser.error(f"--steps {args.steps} must be at least --warmup {args.warmup} + 4 (one torch, piper, piper, "
+                     f"torch cycle)")
     print(command_line("torchtitan_ab", args, parser), flush=True)
     extra = ["--debug.seed", "0", "--training.seq_len", str(args.seq), "--training.local_batch_size",
              str(args.batch), "--metrics.log_freq", "1", *TB_FLAGS, *shlex.split(args.extra)]
     # schedule -> engine -> collected figures
-    stats = {s: {e: {"tps": [], "wall": [], "mem": {}, "load": [], "loss": None} for e in ENGINES}
-             for s in args.schedules}
+    stats = {s: {"load": [], "loss": None, "wall": [], "cycles": [],
+                 **{e: {"tps": [], "mem": {}} for e in ENGINES}} for s in args.schedules}
     with tempfile.TemporaryDirectory(prefix="titan_ab_") as tmp:
         for r in range(args.rounds):
-            order = ENGINES if r % 2 == 0 else ENGINES[::-1]
             for schedule in args.schedules:
-                for engine in order:
-                    dump = Path(tmp) / f"{schedule}_{engine}{r}"
-                    run, load = _run(args, schedule, engine, dump, extra)
-                    s = stats[schedule][engine]
-                    rates = [sum(run.tps[k]) / len(run.tps[k]) for k in sorted(run.tps) if k > args.warmup]
-                    s["tps"] += rates
-                    s["wall"].append(run.wall_s)
-                    if load.cores is not None:
-                        s["load"].append(load.cores)
-                    for rank, peak in rank_memory_peaks(dump, args.warmup).items():
-                        s["mem"].setdefault(rank, []).append(peak)
-                    if s["loss"] is None:
-                        s["loss"] = run.losses[max(run.losses)]
-                    print(f"round {r} {schedule} {engine}: median tps {median(rates):.0f}, wall {run.wall_s:.1f}s, "
-                          f"peak MiB per rank {_mem_cells(s['mem'], last=True)}", flush=True)
+                dump = Path(tmp) / f"{schedule}{r}"
+                run, load, engines = _run(args, schedule, dump, extra)
+                s = stats[schedule]
+                rate = {k: sum(v) / len(v) for k, v in run.tps.items() if k > args.warmup}
+                for step, tps in sorted(rate.items()):
+                    s[engines[step]]["tps"].append(tps)
+                s["cycles"] += _cycle_ratios(rate, engines)
+                s["wall"].append(run.wall_s)
+                if load.cores is not None:
+                    s["load"].append(load.cores)
+                for rank, steps in rank_memory_by_step(dump).items():
+                    for engine in ENGINES:
+                        peaks = [m for k, m in steps.items() if k > args.warmup and engines.get(k) == engine]
+                        if peaks:
+                            s[engine]["mem"].setdefault(rank, []).append(max(peaks))
+                if s["loss"] is None:
+                    s["loss"] = run.losses[max(run.losses)]
+                print(f"round {r} {schedule}: median tps torch {median(s['torch']['tps']):.0f}, "
+                      f"piper {median(s['piper']['tps']):.0f}, wall {run.wall_s:.1f}s", flush=True)
     summary = _summarise(stats)
     text = _report(args, parser, extra, stats, summary)
     path = write_result(args.out, f"torchtitan_ab_{args.model}_pp2.md", text)
     print(text)
     print(f"written to {path}")
     return summary
+
+
+def _cycle_ratios(rate: dict[int, float], engines: dict[int, str]) -> list[float]:
+    """Piper / torch tokens/s of every complete torch, piper, piper, torch cycle of measured steps."""
+    ratios = []
+    for first in sorted(rate):
+        steps = list(range(first, first + 4))
+        if (first - 1) % 4 == 0 and all(k in rate for k in steps):
+            by = {e: [rate[k] for k in steps if engines[k] == e] for e in ENGINES}
+            if all(len(v) == 2 for v in by.values()):
+                ratios.append(sum(by["piper"]) / sum(by["torch"]))
+    return ratios
 
 
 def _mem_cells(mem: dict[int, list[float]], last: bool = False) -> str:
@@ -142,12 +170,13 @@ def _mem_cells(mem: dict[int, list[float]], last: bool = False) -> str:
 
 def _summarise(stats) -> dict[str, dict]:
     summary = {}
-    for schedule, per_engine in stats.items():
-        t, p = per_engine["torch"], per_engine["piper"]
+    for schedule, s in stats.items():
+        t, p = s["torch"], s["piper"]
         summary[schedule] = {
             "torch_tps": median(t["tps"]), "piper_tps": median(p["tps"]),
             "ratio": median(p["tps"]) / median(t["tps"]),
-            "torch_loss": t["loss"], "piper_loss": p["loss"],
+            "cycle_ratio": median(s["cycles"]) if s["cycles"] else None, "cycles": len(s["cycles"]),
+            "loss": s["loss"],
             "torch_mem": {k: median(v) for k, v in t["mem"].items()},
             "piper_mem": {k: median(v) for k, v in p["mem"].items()},
         }
@@ -158,30 +187,35 @@ def _report(args, parser, extra, stats, summary) -> str:
     memory = ("peak RSS of the rank process (VmHWM, reset after every step)" if cpu.on_cpu()
               else "CUDA max reserved memory")
     rows = []
-    for schedule, per_engine in stats.items():
+    for schedule, s in stats.items():
         for engine in ENGINES:
-            s = per_engine[engine]
-            rows.append([schedule, engine, f"{median(s['tps']):.0f}", len(s["tps"]), _mem_cells(s["mem"]),
-                         f"{median(s['wall']):.1f}", f"{s['loss']:.5f}",
-                         f"{median(s['load']):.2f}" if s["load"] else "n/a"])
-    ratios = [[schedule, f"**{s['ratio']:.3f}**",
-               " / ".join(f"{(s['piper_mem'].get(k, 0) - s['torch_mem'].get(k, 0)) / 2 ** 20:+.0f}"
-                          for k in sorted(s["torch_mem"]))] for schedule, s in summary.items()]
-    run_cmd = shlex.join(titan_command(f"{args.model}_pp2_<schedule>", "<engine>", steps=args.steps, extra=extra))
+            e = s[engine]
+            rows.append([schedule, engine, f"{median(e['tps']):.0f}", len(e["tps"]), _mem_cells(e["mem"])])
+    ratios = []
+    for schedule, x in summary.items():
+        cycle = f"{x['cycle_ratio']:.3f} ({x['cycles']})" if x["cycle_ratio"] is not None else "n/a"
+        mem = " / ".join(f"{(x['piper_mem'].get(k, 0) - x['torch_mem'].get(k, 0)) / 2 ** 20:+.0f}"
+                         for k in sorted(x["torch_mem"]))
+        s = stats[schedule]
+        ratios.append([schedule, f"**{x['ratio']:.3f}**", cycle, mem, f"{x['loss']:.5f}", f"{median(s['wall']):.1f}",
+                       f"{median(s['load']):.2f}" if s["load"] else "n/a"])
+    run_cmd = shlex.join(titan_command(f"{args.model}_pp2_<schedule>", "alternate", steps=args.steps, extra=extra))
     return "\n".join([
         f"# Piper vs TorchTitan's pipelining ({args.model}, torchtitan.train, 2 ranks)", "",
         f"Command: `{command_line('torchtitan_ab', args, parser)}`", "",
         f"Each run: `{run_cmd}` (schedule suffixes: "
         f"{', '.join(f'{k} -> {v}' for k, v in SCHEDULE_CONFIG.items())})", "",
-        f"{args.rounds} rounds, engine order alternating by round; first {args.warmup} steps of each run dropped. "
-        f"tokens/s: TorchTitan's `tps` (per device), mean over ranks per step, median over measured steps. "
-        f"Peak memory: {memory}, max over measured steps, median over rounds, rank 0 / rank 1. "
-        f"Other load: cores kept busy by other processes during the runs (median over runs).", "",
-        markdown_table(["schedule", "engine", "median tokens/s", "steps measured", "peak MiB per rank (0 / 1)",
-                        "median wall s / run", f"loss at step {args.steps} (round 0)", "other load (cores)"], rows),
+        f"{args.rounds} run(s) per schedule; in each the two engines alternate step by step over the same stages "
+        f"(torch, piper, piper, torch, ...); the first {args.warmup} steps are dropped. "
+        f"tokens/s: TorchTitan's `tps` (per device), mean over ranks per step, median over an engine's measured "
+        f"steps. Cycle ratio: median over complete torch-piper-piper-torch cycles of piper / torch tokens/s (number of "
+        f"cycles in brackets). Peak memory: {memory}, max over an engine's measured steps, median over runs, "
+        f"rank 0 / rank 1. Other load: cores kept busy by other processes during the runs (median over runs).", "",
+        markdown_table(["schedule", "engine", "median tokens/s", "steps measured", "peak MiB per rank (0 / 1)"], rows),
         "",
-        markdown_table(["schedule", "piper / torch tokens/s", "piper - torch peak MiB (rank 0 / 1)"], ratios), "",
-        machine_line(), "",
+        markdown_table(["schedule", "piper / torch tokens/s", "cycle ratio", "piper - torch peak MiB (rank 0 / 1)",
+                        f"loss at step {args.steps} (run 0)", "median wall s / run", "other load (cores)"], ratios),
+        "", machine_line(), "",
     ])
 
 

@@ -31,6 +31,7 @@ from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import build_plan
 from piper_plugin.scheduler.simulate import simulate
 
+from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
 from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
 
@@ -94,7 +95,9 @@ def _compile(program, schedule_fn, world: int):
 
 def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                         dump_folder: str, device: torch.device, model_config, parallelize_fn, loss_fn,
-                        options=None) -> tuple[PiperPipelineSchedule, list[nn.Module], bool, bool]:
+                        options=None, alternate: bool = False) -> tuple[Any, list[nn.Module], bool, bool]:
+    """TorchTitan's ``pipelining_fn`` contract; ``alternate`` also builds TorchTitan's own schedule
+    over the same parts and alternates the two step by step (:mod:`.alternate`)."""
     pp, dp = parallel_dims.pp, parallel_dims.dp_replicate
     if parallel_dims.world_size != pp * dp:
         raise ValueError(
@@ -150,6 +153,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
                                      recipe=label, replicas=_replicas(parallel_dims))
+    if alternate:
+        baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
+                                  training=training, device=device, loss_fn=loss_fn)
+        schedule = AlternatingSchedule(baseline, schedule)
     return schedule, [model_parts[s] for s in local], 0 in model_parts, num_stages - 1 in model_parts
 
 
@@ -174,6 +181,6 @@ def _replicas(parallel_dims) -> list[list[int]]:
     return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
 
 
-def make_pipelining_fn(options=None) -> Callable[..., Any]:
+def make_pipelining_fn(options=None, alternate: bool = False) -> Callable[..., Any]:
     """A ``ModelSpec.pipelining_fn`` running Piper with ``options`` (``PiperOptions``)."""
-    return functools.partial(pipeline_with_piper, options=options)
+    return functools.partial(pipeline_with_piper, options=options, alternate=alternate)

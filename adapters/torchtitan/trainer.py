@@ -1,4 +1,4 @@
-"""``--parallelism.pipeline_engine {torch,piper}`` for TorchTitan, without forking it.
+"""``--parallelism.pipeline_engine {torch,piper,alternate}`` for TorchTitan, without forking it.
 
 ``PiperParallelismConfig`` adds the flag to TorchTitan's ``ParallelismConfig``; ``PiperTrainer``
 is TorchTitan's ``Trainer`` with a nested ``Config`` that uses it (the pattern of TorchTitan's own
@@ -23,8 +23,9 @@ __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_c
 
 @dataclass(kw_only=True, slots=True)
 class PiperParallelismConfig(ParallelismConfig):
-    pipeline_engine: Literal["torch", "piper"] = "torch"
-    """Which engine runs the pipeline: TorchTitan's own (torch.distributed.pipelining) or Piper."""
+    pipeline_engine: Literal["torch", "piper", "alternate"] = "torch"
+    """Which engine runs the pipeline: TorchTitan's own (torch.distributed.pipelining) or Piper;
+    ``alternate`` runs both on the same stages, steps torch, piper, piper, torch, ... (A/B)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,11 +48,12 @@ class PiperTrainer(Trainer):
     def __init__(self, config: "PiperTrainer.Config"):
         if cpu.on_cpu():
             cpu.use_cpu_device()  # before Trainer.__init__: it calls set_device first thing
-        if config.parallelism.pipeline_engine == "piper" and config.model_spec is not None:
+        engine = config.parallelism.pipeline_engine
+        if engine in ("piper", "alternate") and config.model_spec is not None:
             from piper_plugin.adapters.torchtitan.pipelining import make_pipelining_fn
 
             config.model_spec = dataclasses.replace(
-                config.model_spec, pipelining_fn=make_pipelining_fn(config.piper))
+                config.model_spec, pipelining_fn=make_pipelining_fn(config.piper, alternate=engine == "alternate"))
         super().__init__(config)
 
 
