@@ -23,7 +23,7 @@ from piper_plugin.ir.nodes import COMPUTE
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner
+from piper_plugin.runtime.streams import StreamRunner, compute_stream
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
@@ -84,7 +84,11 @@ class PiperPipelineSchedule:
             model = LocalStages(self.parts)
             self._state = RankState(self.rank, self.plan, self.program, model, self.loss_fn, HostOptimizer)
             self._state.scale = 1.0  # the loss is already sum / global valid tokens
-            self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s)
+            # TorchTitan reports the process's own memory (peak RSS, or the CUDA allocator's):
+            # counting saved activations through autograd hooks would only cost time here.
+            self._state.meter.track_saved = False
+            self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
+                                        inline=compute_stream(self.plan, self.rank))
         return self._state
 
     def _execute(self, key: str) -> None:

@@ -7,6 +7,7 @@ gathered ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -33,6 +34,7 @@ class MemoryMeter:
         self._lock = threading.RLock()  # a saved value can be released by the GC inside a locked section
         self._params: set[int] = set()
         self._refs: dict[int, int] = {}
+        self.track_saved = True  # False: saved activations go uncounted (a host reports memory itself)
 
     def add(self, nbytes: int) -> None:
         with self._lock:
@@ -70,6 +72,8 @@ class MemoryMeter:
         return ptr, nbytes
 
     def saved_tensor_hooks(self):
+        if not self.track_saved:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor):

@@ -23,7 +23,7 @@ from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.memory import tensor_bytes
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner
+from piper_plugin.runtime.streams import StreamRunner, compute_stream
 from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
 
@@ -52,7 +52,8 @@ class Worker:
             meta_model = job.model_fn()
         self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s,
                              self.device)
-        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device)
+        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device,
+                                   inline=compute_stream(plan, rank))
         self.loss_group = self._loss_group(program)
         self.step_index = 0
         gc.collect()
