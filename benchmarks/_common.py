@@ -31,8 +31,8 @@ from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import _pack, _unpack, free_port, stop
 
 __all__ = ["RESULTS", "RandomTokens", "lm_config", "build_lm", "lm_job", "run_ranks", "piper_timed_body",
-           "torch_pipeline_rank", "slowest_rank_times", "total_cpu_times", "command_line", "markdown_table",
-           "write_result", "median", "fmt_ms", "machine_line", "code_version", "ForeignLoad", "wait_for_quiet"]
+           "torch_pipeline_rank", "alternating_rank", "ALTERNATION", "slowest_rank_times", "total_cpu_times",
+           "command_line", "markdown_table", "write_result", "median", "fmt_ms", "machine_line", "code_version", "ForeignLoad", "wait_for_quiet"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -105,15 +105,14 @@ def piper_timed_body(warmup: int, steps: int) -> Callable:
 
 
 # -- the same job on torch.distributed.pipelining -------------------------------------------
-def torch_pipeline_rank(rank: int, world: int, *, job: Job, stage_module: Callable[[nn.Module, int, int], nn.Module],
-                        schedule: str, layout: str, num_stages: int, microbatches: int, warmup: int,
-                        steps: int) -> dict[str, Any]:
-    """One rank of ``job`` run by ``torch.distributed.pipelining.<schedule>`` (call in ``run_ranks``).
+def _torch_stepper(rank: int, world: int, *, job: Job, stage_module: Callable[[nn.Module, int, int], nn.Module],
+                   schedule: str, layout: str, num_stages: int, microbatches: int) -> Callable[[], float | None]:
+    """One rank of ``job`` on ``torch.distributed.pipelining.<schedule>``: a function running one
+    training step (schedule + optimizer) and returning the loss on the last stage's rank.
 
     Same weights (``job.build_model()`` seeds as Piper's workers do), same batches
     (``job.data_fn(job.seed)``), same loss and optimizer factory; stage ``s`` is
-    ``stage_module(model, s, num_stages)`` on the rank ``layout`` gives it. Each step is timed
-    from a barrier to the end of the optimizer step.
+    ``stage_module(model, s, num_stages)`` on the rank ``layout`` gives it.
     """
     from torch.distributed import pipelining
 
@@ -129,20 +128,67 @@ def torch_pipeline_rank(rank: int, world: int, *, job: Job, stage_module: Callab
     optimizer = job.optimizer_fn([p for m in modules for p in m.parameters()])
     first, last = 0 in local, num_stages - 1 in local
     data = iter(job.data_fn(job.seed))
-    times, cpu, losses = [], [], []
-    for _ in range(warmup + steps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
+
+    def step() -> float | None:
         *inputs, target = next(data)
         mb_losses: list[torch.Tensor] = []
         runner.step(*(inputs if first else ()), target=target if last else None,
                     losses=mb_losses if last else None, return_outputs=False)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-        losses.append(torch.stack(mb_losses).mean().item() if last else None)
-    return {"times": times[warmup:], "cpu": cpu[warmup:], "losses": losses, "cpu_total": time.process_time()}
+        return torch.stack(mb_losses).mean().item() if last else None
+
+    return step
+
+
+def _timed_step(step: Callable[[], float | None], record: dict[str, list]) -> None:
+    """One step from a barrier (all ranks start together) to its end: wall and process CPU time."""
+    dist.barrier()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    loss = step()
+    record["times"].append(time.perf_counter() - start)
+    record["cpu"].append(time.process_time() - start_cpu)
+    record["losses"].append(loss)
+
+
+def torch_pipeline_rank(rank: int, world: int, *, job: Job, stage_module: Callable[[nn.Module, int, int], nn.Module],
+                        schedule: str, layout: str, num_stages: int, microbatches: int, warmup: int,
+                        steps: int) -> dict[str, Any]:
+    """One rank of ``job`` run by ``torch.distributed.pipelining.<schedule>`` (call in ``run_ranks``);
+    each step is timed from a barrier to the end of the optimizer step."""
+    step = _torch_stepper(rank, world, job=job, stage_module=stage_module, schedule=schedule, layout=layout,
+                          num_stages=num_stages, microbatches=microbatches)
+    record: dict[str, list] = {"times": [], "cpu": [], "losses": []}
+    for _ in range(warmup + steps):
+        _timed_step(step, record)
+    return {"times": record["times"][warmup:], "cpu": record["cpu"][warmup:], "losses": record["losses"],
+            "cpu_total": time.process_time()}
+
+
+ALTERNATION = ("torch", "piper", "piper", "torch")  # every 4 steps: each engine twice, order cancelled
+
+
+def alternating_rank(rank: int, world: int, *, job: Job, program, plan, stage_module, schedule: str, layout: str,
+                     num_stages: int, warmup: int, steps: int) -> dict[str, dict[str, Any]]:
+    """One rank running both engines side by side in one process (call in ``run_ranks``).
+
+    Piper's :class:`Worker` and torch's schedule each hold their own model (same seed, so the
+    same weights), optimizer and batch stream; steps follow :data:`ALTERNATION`, so neighbouring
+    steps of the two engines see the same machine. Each engine runs ``warmup + steps`` steps and
+    drops its first ``warmup``. Returns engine -> times, cpu, losses (as the single-engine bodies).
+    """
+    from piper_plugin.runtime.worker import Worker
+
+    torch_step = _torch_stepper(rank, world, job=job, stage_module=stage_module, schedule=schedule, layout=layout,
+                                num_stages=num_stages, microbatches=plan.microbatches)
+    worker = Worker(rank, job, program, plan)  # the process group is up: it only adds its own groups
+    steppers = {"torch": torch_step, "piper": lambda: worker.step().get("loss")}
+    records = {e: {"times": [], "cpu": [], "losses": []} for e in steppers}
+    for k in range(2 * (warmup + steps)):
+        engine = ALTERNATION[k % len(ALTERNATION)]
+        _timed_step(steppers[engine], records[engine])
+    return {e: {"times": r["times"][warmup:], "cpu": r["cpu"][warmup:], "losses": r["losses"],
+                "cpu_total": time.process_time()} for e, r in records.items()}
 
 
 def slowest_rank_times(results: dict[int, dict[str, Any]]) -> list[float]:

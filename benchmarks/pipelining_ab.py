@@ -3,8 +3,9 @@
 Both engines run the same toy LM (same seed, so the same weights), split into the same
 stages on the same ranks (loop layout; V layout for DualPipeV), the same microbatches, the
 same seeded batches and AdamW. Each step is timed on every rank from a common barrier to the
-end of the optimizer step; a step's time is the slowest rank's. Rounds alternate the engines
-(P T, T P, P T, ...) in fresh forked processes, so drift of the machine hits both alike.
+end of the optimizer step; a step's time is the slowest rank's. Each round forks fresh ranks that
+hold both engines and alternate steps torch, piper, piper, torch, ..., so the machine's drift
+(tens of percent between runs here) hits both alike.
 Reported: the median step time of each engine over all rounds, the ratio Piper / torch, and
 the loss of step 1 of both (a sanity check that they compute the same thing).
 
@@ -27,14 +28,12 @@ import torch
 import torch.nn as nn
 
 from benchmarks._common import (
-    ForeignLoad, code_version, command_line, fmt_ms, lm_config, lm_job, machine_line, markdown_table, median,
-    piper_timed_body, run_ranks, slowest_rank_times, torch_pipeline_rank, total_cpu_times, wait_for_quiet,
-    write_result,
+    ALTERNATION, ForeignLoad, alternating_rank, code_version, command_line, fmt_ms, lm_config, lm_job, machine_line,
+    markdown_table, median, run_ranks, slowest_rank_times, total_cpu_times, wait_for_quiet, write_result,
 )
 from piper_plugin.models import ToyLM, ToyLMConfig, layer_stages
 from piper_plugin.recipes import stages_needed
 from piper_plugin.runtime.job import compile_job
-from piper_plugin.runtime.launch.processes import run_forked
 
 __all__ = ["main", "build_parser", "SCHEDULES", "TorchStageModule"]
 
@@ -130,18 +129,16 @@ def _job(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str):
                   chunks=args.chunks, seed=args.seed, lr=args.lr, timeout_s=args.timeout)
 
 
-def run_piper(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str) -> dict[int, dict[str, Any]]:
+def run_alternating(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str) -> dict[str, dict[int, dict[str, Any]]]:
+    """Both engines in the same forked ranks, steps alternating (engine -> rank -> results)."""
+    schedule, layout = SCHEDULES[recipe]
     job = _job(cfg, args, recipe)
     program, _, plan, _ = compile_job(job)
-    return run_forked(job, program, plan, body=piper_timed_body(args.warmup, args.steps))
-
-
-def run_torch(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str) -> dict[int, dict[str, Any]]:
-    schedule, layout = SCHEDULES[recipe]
-    fn = functools.partial(torch_pipeline_rank, job=_job(cfg, args, recipe), stage_module=TorchStageModule,
+    fn = functools.partial(alternating_rank, job=job, program=program, plan=plan, stage_module=TorchStageModule,
                            schedule=schedule, layout=layout, num_stages=stages_needed(recipe, args.pp, args.chunks),
-                           microbatches=args.microbatches, warmup=args.warmup, steps=args.steps)
-    return run_ranks(args.pp, fn, timeout_s=args.timeout)
+                           warmup=args.warmup, steps=args.steps)
+    per_rank = run_ranks(args.pp, fn, timeout_s=args.timeout)
+    return {engine: {rank: r[engine] for rank, r in per_rank.items()} for engine in ("piper", "torch")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,7 +191,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     cfg = lm_config(dim=args.dim, layers=args.layers, heads=args.heads, ffn=args.ffn, seq=args.seq, vocab=args.vocab)
     command = command_line("pipelining_ab", args, parser)
     print(command, flush=True)
-    engines = {"piper": run_piper, "torch": run_torch}
     summary: dict[str, dict[str, Any]] = {}
     for recipe in args.schedules:
         times: dict[str, list[float]] = {"piper": [], "torch": []}
@@ -205,12 +201,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         quiet_runs: dict[str, int] = {"piper": 0, "torch": 0}
         loss: dict[str, float | None] = {}
         for r in range(args.rounds):
-            for engine in (("piper", "torch") if r % 2 == 0 else ("torch", "piper")):
-                if args.quiet_wait > 0:
-                    wait_for_quiet(args.quiet_wait, args.quiet_below)
-                with ForeignLoad() as load:
-                    results = engines[engine](cfg, args, recipe)
+            if args.quiet_wait > 0:
+                wait_for_quiet(args.quiet_wait, args.quiet_below)
+            with ForeignLoad() as load:
+                both = run_alternating(cfg, args, recipe)
+                for results in both.values():
                     load.add_own(results)
+            for engine, results in both.items():
                 step_times, cpu_times = slowest_rank_times(results), total_cpu_times(results)
                 times[engine] += step_times
                 cpu[engine] += cpu_times
@@ -272,8 +269,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         f"Model: toy LM dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn}, vocab {cfg.vocab}, "
         f"seq {cfg.seq} ({params / 1e6:.2f}M params); global batch {args.batch}, {args.microbatches} microbatches, "
         f"{args.pp} ranks; AdamW; same seed (same weights) and the same batches for both engines. Per round: "
-        f"{args.warmup} warm-up + {args.steps} timed steps in freshly forked ranks; {args.rounds} rounds per engine, "
-        f"alternating (P T, T P, ...). Step time = slowest rank, from a barrier to the end of the optimizer step. "
+        f"freshly forked ranks each hold both engines (own model copy, optimizer and batches) and alternate steps "
+        f"{', '.join(ALTERNATION)}, ... until each engine ran {args.warmup} warm-up + {args.steps} timed steps; "
+        f"{args.rounds} rounds. Neighbouring steps of the two engines see the same machine, which separate runs "
+        f"here do not (their medians drifted by up to 30% from run to run). Step time = slowest rank, from a barrier to the end of the optimizer step. "
         f"Medians and bests over all timed steps of all rounds. 'CPU ms/step' = median over steps of the CPU time "
         f"of all rank processes together (every thread): the work each engine does, which contention from other "
         f"processes changes far less than wall time. 'Other load' = cores that processes outside "
