@@ -78,7 +78,7 @@ class MemoryMeter:
 
     def _pack(self, t: torch.Tensor):
         base = t._base if t._base is not None else t  # linear saves weight.t(), a view
-        if id(t) in self._params or id(base) in self._params or t.device.type == "meta":
+        if id(t) in self._params or id(base) in self._params or t.is_meta:
             return t
         ptr, nbytes = self.count_storage(t)
         # Hold a detached alias: a saved *output* holding its own grad_fn would make a cycle through
