@@ -43,6 +43,15 @@ def test_llama3_1f1b_piper_matches_torch_for_10_steps(tmp_path):
     _assert_parity(torch_run, piper_run)
     assert piper_run.losses[10] < piper_run.losses[1] - 0.5  # it trains
     assert "Piper: recipe 1f1b, 2 stages on 2 ranks, 4 microbatches" in piper_run.log
+    # pipeline_engine=alternate hands the same modules and optimizer from one engine to the other
+    # every step or two (torch, piper, piper, torch, ...): one trajectory, equal to either engine's
+    mixed = run_titan("llama3_debugmodel_pp2_1f1b", "alternate", dump_folder=tmp_path / "alternate", steps=STEPS,
+                      extra=[*SEED, "--training.seq_len", "128"], timeout_s=600)
+    assert mixed.ok, mixed.tail()
+    for step in (1, 2, 4, 5, 10):
+        engine = "torch" if step % 4 in (0, 1) else "piper"
+        assert f"Piper A/B: step {step} runs on the {engine} engine" in mixed.log
+    _assert_parity(torch_run, mixed)
 
 
 def test_deepseek_v3_1f1b_piper_matches_torch_for_10_steps(tmp_path):
