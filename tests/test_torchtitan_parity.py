@@ -63,13 +63,14 @@ def test_deepseek_v3_1f1b_piper_matches_torch_for_10_steps(tmp_path):
 # (model config, ranks, TorchTitan schedule, local batch, the Piper log line it must print).
 # Interleaved1F1B places 2 stages per rank (loop layout); Piper's interleaved recipe needs
 # microbatches % ranks == 0, so 4 ranks run 4 microbatches. Small sequences keep it quick.
-# llama3 runs every (ranks, schedule) pair; DeepSeek-V3 the corners 2 ranks x 1F1B (above) and
-# 4 ranks x Interleaved1F1B, to keep the suite within its time budget.
+# Both models run every (ranks, schedule) pair: 2 ranks x 1F1B above, the rest here.
 COMBOS = [
     ("llama3_debugmodel_pp2_1f1b", 2, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 4 stages on 2 ranks, 4 microbatches"),
     ("llama3_debugmodel_pp2_1f1b", 4, "1F1B", 4, "recipe 1f1b, 4 stages on 4 ranks, 4 microbatches"),
     ("llama3_debugmodel_pp2_1f1b", 4, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 8 stages on 4 ranks, 4 microbatches"),
     ("deepseek_v3_debugmodel_pp2_1f1b", 4, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 8 stages on 4 ranks, 4 microbatches"),
+    ("deepseek_v3_debugmodel_pp2_1f1b", 2, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 4 stages on 2 ranks, 4 microbatches"),
+    ("deepseek_v3_debugmodel_pp2_1f1b", 4, "1F1B", 4, "recipe 1f1b, 4 stages on 4 ranks, 4 microbatches"),
 ]
 
 
