@@ -1,5 +1,6 @@
-"""Logical streams: one host thread per stream, an event per task; on a GPU also one CUDA
-stream per logical stream.
+"""Logical streams: the compute stream on the caller's thread, a host thread for every other
+stream, an event per task another stream waits for; on a GPU also one CUDA stream per logical
+stream.
 
 The stream with the most compute tasks runs on the calling thread, as the host framework's
 own engine would run it: its thread-local state (grad mode, autocast, meshes) holds, and its
