@@ -32,7 +32,8 @@ from piper_plugin.runtime.launch.processes import _pack, _unpack, free_port, sto
 
 __all__ = ["RESULTS", "RandomTokens", "lm_config", "build_lm", "lm_job", "run_ranks", "piper_timed_body",
            "torch_pipeline_rank", "alternating_rank", "ALTERNATION", "slowest_rank_times", "total_cpu_times",
-           "command_line", "markdown_table", "write_result", "median", "fmt_ms", "machine_line", "code_version", "ForeignLoad", "wait_for_quiet"]
+           "command_line", "markdown_table", "write_result", "median", "fmt_ms", "machine_line", "code_version",
+           "ForeignLoad", "wait_for_quiet"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -84,19 +85,33 @@ def lm_job(cfg: ToyLMConfig, *, recipe: str, pp: int, microbatches: int, batch: 
                optimizer_fn=functools.partial(_adamw, lr), steps=0, seed=seed, timeout_s=timeout_s)
 
 
-# -- timing inside Piper's forked ranks ---------------------------------------------------
+# -- timed steps (a barrier first, so all ranks start together) -------------------------
+def _timed_step(step: Callable[[], float | None], record: dict[str, list]) -> None:
+    """One step from a barrier (all ranks start together) to its end: wall and process CPU time."""
+    dist.barrier()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    loss = step()
+    record["times"].append(time.perf_counter() - start)
+    record["cpu"].append(time.process_time() - start_cpu)
+    record["losses"].append(loss)
+
+
+def _new_record() -> dict[str, list]:
+    return {"times": [], "cpu": [], "losses": []}
+
+
+def _measured(record: dict[str, list], warmup: int) -> dict[str, Any]:
+    """Times and CPU of the steps after ``warmup``; every step's loss; the process's CPU so far."""
+    return {"times": record["times"][warmup:], "cpu": record["cpu"][warmup:], "losses": record["losses"],
+            "cpu_total": time.process_time()}
+
+
 def _piper_timed(worker, warmup: int, steps: int) -> dict[str, Any]:
     """``warmup + steps`` steps, each started together on every rank (a barrier before it)."""
-    times, cpu, losses = [], [], []
+    record = _new_record()
     for _ in range(warmup + steps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        metrics = worker.step()
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-        losses.append(metrics.get("loss"))
-    return {"times": times[warmup:], "cpu": cpu[warmup:], "losses": losses, "timeline": worker.runner.timeline,
-            "peak": worker.state.meter.peak, "cpu_total": time.process_time()}
+        _timed_step(lambda: worker.step().get("loss"), record)
+    return {**_measured(record, warmup), "timeline": worker.runner.timeline, "peak": worker.state.meter.peak}
 
 
 def piper_timed_body(warmup: int, steps: int) -> Callable:
@@ -141,16 +156,6 @@ def _torch_stepper(rank: int, world: int, *, job: Job, stage_module: Callable[[n
     return step
 
 
-def _timed_step(step: Callable[[], float | None], record: dict[str, list]) -> None:
-    """One step from a barrier (all ranks start together) to its end: wall and process CPU time."""
-    dist.barrier()
-    start, start_cpu = time.perf_counter(), time.process_time()
-    loss = step()
-    record["times"].append(time.perf_counter() - start)
-    record["cpu"].append(time.process_time() - start_cpu)
-    record["losses"].append(loss)
-
-
 def torch_pipeline_rank(rank: int, world: int, *, job: Job, stage_module: Callable[[nn.Module, int, int], nn.Module],
                         schedule: str, layout: str, num_stages: int, microbatches: int, warmup: int,
                         steps: int) -> dict[str, Any]:
@@ -158,11 +163,10 @@ def torch_pipeline_rank(rank: int, world: int, *, job: Job, stage_module: Callab
     each step is timed from a barrier to the end of the optimizer step."""
     step = _torch_stepper(rank, world, job=job, stage_module=stage_module, schedule=schedule, layout=layout,
                           num_stages=num_stages, microbatches=microbatches)
-    record: dict[str, list] = {"times": [], "cpu": [], "losses": []}
+    record = _new_record()
     for _ in range(warmup + steps):
         _timed_step(step, record)
-    return {"times": record["times"][warmup:], "cpu": record["cpu"][warmup:], "losses": record["losses"],
-            "cpu_total": time.process_time()}
+    return _measured(record, warmup)
 
 
 ALTERNATION = ("torch", "piper", "piper", "torch")  # every 4 steps: each engine twice, order cancelled
@@ -183,12 +187,11 @@ def alternating_rank(rank: int, world: int, *, job: Job, program, plan, stage_mo
                                 num_stages=num_stages, microbatches=plan.microbatches)
     worker = Worker(rank, job, program, plan)  # the process group is up: it only adds its own groups
     steppers = {"torch": torch_step, "piper": lambda: worker.step().get("loss")}
-    records = {e: {"times": [], "cpu": [], "losses": []} for e in steppers}
+    records = {e: _new_record() for e in steppers}
     for k in range(2 * (warmup + steps)):
         engine = ALTERNATION[k % len(ALTERNATION)]
         _timed_step(steppers[engine], records[engine])
-    return {e: {"times": r["times"][warmup:], "cpu": r["cpu"][warmup:], "losses": r["losses"],
-                "cpu_total": time.process_time()} for e, r in records.items()}
+    return {e: _measured(r, warmup) for e, r in records.items()}
 
 
 def slowest_rank_times(results: dict[int, dict[str, Any]]) -> list[float]:

@@ -41,7 +41,7 @@ from piper_plugin.adapters.torchtitan import cpu
 from piper_plugin.adapters.torchtitan.config_registry import SCHEDULES
 from piper_plugin.adapters.torchtitan.launch import TitanRun, run_titan, titan_command
 
-__all__ = ["main", "build_parser", "SCHEDULE_CONFIG", "rank_memory_peaks"]
+__all__ = ["main", "build_parser", "SCHEDULE_CONFIG", "rank_memory_by_step", "engines_by_step"]
 
 ENGINES = ("torch", "piper")
 _ENGINE_LINE = re.compile(r"Piper A/B: step (\d+) runs on the (torch|piper) engine")
