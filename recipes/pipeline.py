@@ -86,13 +86,20 @@ def zb_h1(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int 
 
 
 def dualpipev(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int | None = None) -> Schedule:
-    """DualPipeV: 2p stages in a V on p ranks; forward/backward pairs of two stages overlap."""
+    """DualPipeV: 2p stages in a V on p ranks, DeepSeek's order of F / B / BI / BW.
+
+    With expert parallelism a forward and the backward of another stage that follows it form
+    an overlap block (issued together, so one's all-to-all hides behind the other's compute).
+    Without it there is nothing inside a pair to hide: the pair runs as F then B on the compute
+    stream, each waiting only for its own inputs, as torch's ``ScheduleDualPipeV`` runs it (a
+    block would make F wait for B's incoming gradient and hold F's output until B is done).
+    """
     try:
         orders = _orders.dualpipev(sch.grid.pp, microbatches)
     except ValueError as exc:
         raise DirectiveError("dualpipev", f"microbatches={microbatches}", str(exc)) from None
     _prepare(sch, "dualpipev", 2, "v", microbatches, zero, bucket_bytes, True)
-    return _apply_orders(sch, orders, True, overlap_pairs=True)
+    return _apply_orders(sch, orders, True, overlap_pairs=sch.grid.ep > 1)
 
 
 RECIPES: dict[str, Callable[..., Schedule]] = {

@@ -1,4 +1,5 @@
-"""StreamRunner: the compute stream runs on the caller's thread, the others on helper threads;
+"""StreamRunner: the compute stream runs on the caller's thread, P2P streams are posted by whoever
+finishes their dependencies, other streams run on helper threads;
 cross-stream dependencies hold, and a failure on any stream ends the step with its traceback."""
 import threading
 import time
@@ -53,3 +54,70 @@ def test_a_missing_message_times_out_naming_the_wait():
 
     with pytest.raises(TaskFailed, match="f1 waits for r0|waited more than 1s for r0"):
         StreamRunner(0, _plan(), execute, timeout_s=1, inline="compute").run_step()
+
+
+def _p2p_plan() -> RankPlan:
+    # compute f0..f2; posted receives r0..r2 (f_i reads r_i); posted sends s0..s2 (s_i after f_i)
+    streams = {"compute": ["f0", "f1", "f2"], "recv": ["r0", "r1", "r2"], "send": ["s0", "s1", "s2"]}
+    deps = {"f0": ("r0",), "f1": ("f0", "r1"), "f2": ("f1", "r2"), "r0": (), "r1": ("r0",), "r2": ("r1",),
+            "s0": ("f0",), "s1": ("s0", "f1"), "s2": ("s1", "f2")}
+    return RankPlan(rank=0, streams=streams, deps=deps)
+
+
+def test_posted_streams_run_on_no_thread_of_their_own():
+    """SENDs go out on the thread that made their payload, right after it; RECVs are posted up
+    to ``post_ahead`` ahead and each completes on its consumer's thread just before it."""
+    events: list[tuple[str, str, int]] = []
+    outstanding = []
+
+    def execute(key: str):
+        events.append(("run", key, threading.get_ident()))
+        if key.startswith("r"):
+            outstanding.append(key)
+            assert len(outstanding) <= 2, f"{outstanding} posted at once"
+
+            def complete(seconds: float) -> None:
+                assert seconds > 0
+                outstanding.remove(key)
+                events.append(("complete", key, threading.get_ident()))
+            return complete
+        return None
+
+    runner = StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"})
+    runner.run_step()
+    me = threading.get_ident()
+    assert {thread for _, _, thread in events} == {me}
+    seq = [f"{what[0]}:{key}" for what, key, _ in events]
+    for i in range(3):
+        assert seq.index(f"c:r{i}") < seq.index(f"r:f{i}") < seq.index(f"r:s{i}")
+        if i < 2:  # the send goes out before the next chunk starts
+            assert seq.index(f"r:s{i}") < seq.index(f"r:f{i + 1}")
+    assert seq.index("r:r1") < seq.index("r:f0")  # posted ahead of its consumer
+    assert {s for s, *_ in runner.timeline} == {"compute", "recv", "send"}
+
+
+def test_a_failed_completion_names_the_receive():
+    def execute(key: str):
+        if key == "r1":
+            def complete(seconds: float) -> None:
+                raise ConnectionError("peer closed")
+            return complete
+        return (lambda seconds: None) if key.startswith("r") else None
+
+    with pytest.raises(TaskFailed, match="task r1 on stream 'recv' failed: ConnectionError"):
+        StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"}).run_step()
+
+
+def test_a_completion_past_the_deadline_is_a_timeout():
+    def execute(key: str):
+        if key == "r0":
+            def complete(seconds: float) -> None:
+                time.sleep(seconds)  # a transport waits at most what it is given, then raises
+                raise RuntimeError("timed out waiting for recv")
+            return complete
+        return None
+
+    start = time.monotonic()
+    with pytest.raises(TaskFailed, match="task r0 on stream 'recv' waited more than 1s"):
+        StreamRunner(0, _p2p_plan(), execute, timeout_s=1, inline="compute", posted={"recv", "send"}).run_step()
+    assert time.monotonic() - start < 3

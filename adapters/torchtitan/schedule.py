@@ -23,7 +23,7 @@ from piper_plugin.ir.nodes import COMPUTE
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner, compute_stream
+from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
@@ -88,21 +88,21 @@ class PiperPipelineSchedule:
             # counting saved activations through autograd hooks would only cost time here.
             self._state.meter.track_saved = False
             self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
-                                        inline=compute_stream(self.plan, self.rank))
+                                        inline=compute_stream(self.plan, self.rank),
+                                        posted=posted_streams(self.plan, self.rank))
         return self._state
 
-    def _execute(self, key: str) -> None:
+    def _execute(self, key: str):
         if self._spmd_context is not None:  # TorchTitan's thread-local SPMD meshes (spmd_types backend)
             with self._spmd_context():
                 return self._execute_node(key)
         return self._execute_node(key)
 
-    def _execute_node(self, key: str) -> None:
+    def _execute_node(self, key: str):
         node = self.plan.dag.nodes[key]
         if node.kind in COMPUTE:
-            run_compute(self._state, node)
-        else:
-            self.comm.run(self._state, node)
+            return run_compute(self._state, node)
+        return self.comm.run(self._state, node)  # a RECV returns its completion
 
     def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
         m = self.microbatches

@@ -13,6 +13,7 @@ addresses peers by process rank; plan ranks stay what the plan, its state and it
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,10 @@ class DistComm:
         members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)
         return members, self.groups[(node.stream, members)]
 
-    def run(self, state: RankState, node: Node) -> None:
+    def run(self, state: RankState, node: Node) -> Callable[[float], None] | None:
+        """Issue ``node``'s operation. SENDs are asynchronous (finished by :meth:`wait_sends`);
+        a RECV is posted and returns its completion (wait for the message, then deliver it,
+        within the seconds it is given); collectives block."""
         dag, grid = self.plan.dag, self.plan.grid
         if node.kind == Kind.SEND:
             dst = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
@@ -89,15 +93,24 @@ class DistComm:
         elif node.kind == Kind.RECV:
             src = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
             group = self._pair(node, src)
-            out = {}
+            out, works = {}, []
             for name in sorted(v for vs in dag.data_pred[node.key].values() for v in vs):
                 spec = self.specs[name.removeprefix("grad:")]
                 if not spec.is_tensor:
                     out[name] = spec.constant
                     continue
                 out[name] = spec.empty(self.device)
-                dist.recv(out[name], src=self.process_rank[src], group=group)
-            comm_ops.absorb(state, node, out)
+                works.append(dist.irecv(out[name], src=self.process_rank[src], group=group))
+            in_flight = sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
+            state.meter.add(in_flight)  # the buffers exist from now on
+
+            def complete(seconds: float) -> None:
+                for work in works:
+                    work.wait(timedelta(seconds=seconds))
+                state.meter.add(-in_flight)  # delivered: counted in the inboxes from here
+                comm_ops.absorb(state, node, out)
+
+            return complete
         else:
             members, group = self._group(node)
             comm_ops.absorb(state, node, _collective(node, comm_ops.payload(state, node), len(members), group))

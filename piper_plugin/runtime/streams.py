@@ -1,37 +1,55 @@
-"""Logical streams: the compute stream on the caller's thread, a host thread for every other
-stream, an event per task another stream waits for; on a GPU also one CUDA stream per logical
-stream.
+"""Logical streams: the compute stream on the caller's thread, P2P streams posted without a
+thread, a host thread for every other stream; on a GPU also one CUDA stream per logical stream.
 
 The stream with the most compute tasks runs on the calling thread, as the host framework's
 own engine would run it: its thread-local state (grad mode, autocast, meshes) holds, and its
 allocations come from the main malloc arena. A helper thread's arena unmaps a heap as soon as
 it is empty, so activations allocated there page-fault afresh every step (measured: about 16k
-faults and +19% forward time per step on a TorchTitan stage). Every other stream gets a helper
-thread. A task waits only for its dependencies on *other* streams (same-stream order is the list
-order); torch ops and gloo release the GIL, so communication on one thread overlaps compute on
-another. On a GPU each thread issues work on its own CUDA stream, and a CUDA event is recorded
-and waited on only where a dependency crosses streams. The first failure aborts the step: every
-stream stops at its next wait and the caller gets the original exception with the rank and task
-named. Waits are bounded by ``timeout_s``.
+faults and +19% forward time per step on a TorchTitan stage).
+
+A *posted* stream (P2P sends or receives: asynchronous operations) has no thread. Its tasks are
+posted strictly in stream order by whichever thread finishes their last dependency (a SEND goes
+out right after the chunk that made it, with no thread hand-off), receives are posted up to
+``post_ahead`` ahead of their consumers, and ``execute`` returns a *completion* for a task that
+finishes later: the first task that depends on it runs the completion on its own thread (waits
+for the message and delivers it). A thread hand-off per message cost milliseconds of wake-up
+latency on a loaded CPU; posting keeps the overlap (the transport moves the bytes) without it.
+
+Every other stream (blocking collectives) gets a helper thread. A task waits only for its
+dependencies on *other* streams (same-stream order is the list order); torch ops and gloo
+release the GIL, so communication on one thread overlaps compute on another. On a GPU each
+thread issues work on its own CUDA stream, and a CUDA event is recorded and waited on only
+where a dependency crosses streams. The first failure aborts the step: every stream stops at
+its next wait and the caller gets the original exception with the rank and task named. Waits
+are bounded by ``timeout_s``.
 """
 from __future__ import annotations
 
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
+from piper_plugin.ir.nodes import P2P
 from piper_plugin.scheduler.plan import Plan, RankPlan
 
-__all__ = ["StreamRunner", "TaskFailed", "compute_stream"]
+__all__ = ["StreamRunner", "TaskFailed", "compute_stream", "posted_streams"]
+
+Completion = Callable[[float], None]  # called with the seconds left before the step's deadline
 
 
 def compute_stream(plan: Plan, rank: int) -> str | None:
     """The stream of ``rank`` with the most compute tasks (the one the caller's thread runs)."""
     streams = plan.ranks[rank].streams
     return max(streams, key=lambda s: sum(plan.dag.nodes[k].is_compute for k in streams[s]), default=None)
+
+
+def posted_streams(plan: Plan, rank: int) -> set[str]:
+    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded."""
+    return {s for s, keys in plan.ranks[rank].streams.items()
+            if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)}
 
 
 class TaskFailed(RuntimeError):
@@ -43,107 +61,232 @@ class TaskFailed(RuntimeError):
 
 
 class StreamRunner:
-    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], None], timeout_s: float,
+    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], Completion | None], timeout_s: float,
                  describe: Callable[[str], str] = lambda key: "", device: torch.device = torch.device("cpu"),
-                 inline: str | None = None):
+                 inline: str | None = None, posted: Collection[str] = (), post_ahead: int = 2):
         self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
         self.describe, self.device = describe, device
-        self.cross = {k: tuple(d for d in deps if not self._same_stream(k, d)) for k, deps in plan.deps.items()}
+        self.stream_of = {k: s for s, keys in plan.streams.items() for k in keys}
+        self.position = {k: i for keys in plan.streams.values() for i, k in enumerate(keys)}
+        self.cross = {k: tuple(d for d in deps if self.stream_of[d] != self.stream_of[k])
+                      for k, deps in plan.deps.items()}
         self.timeline: list[tuple[str, str, float, float]] = []
         self.cuda = device.type == "cuda"
         self.cuda_streams = {s: torch.cuda.Stream(device) for s in plan.streams} if self.cuda else {}
         self.crossed = {d for deps in self.cross.values() for d in deps}  # tasks that need an event
         self.inline = inline if inline in plan.streams else None  # runs on the caller's thread
-
-    def _same_stream(self, a: str, b: str) -> bool:
-        return self._stream_of(a) == self._stream_of(b)
-
-    def _stream_of(self, key: str) -> str:
-        if not hasattr(self, "_streams"):
-            self._streams = {k: s for s, keys in self.plan.streams.items() for k in keys}
-        return self._streams[key]
+        self.posted = {s for s in posted if s in plan.streams and s != self.inline}
+        self.post_ahead = max(1, post_ahead)
 
     def run_step(self) -> None:
-        done = {k: threading.Event() for k in self.crossed}  # only what another stream waits for
-        abort = threading.Event()
-        failure: list[TaskFailed] = []
-        deadline = time.monotonic() + self.timeout_s
-        timeline: list[tuple[str, str, float, float]] = []
-        heads: dict[str, tuple[str, ...]] = {}  # what each stream is doing; words only on a timeout
+        _Step(self).run()
 
-        def say(head: tuple[str, ...]) -> str:
-            if head[0] == "wait":
-                return f"{head[1]} waits for {head[2]}{self.describe(head[2])}"
-            if head[0] == "run":
-                detail = self.describe(head[1])  # comm names its peers; compute names nobody
-                return f"in {head[1]}{detail}" if detail else f"computing {head[1]}"
-            return "finished"
 
-        def report() -> str:
-            return "; ".join(f"{s}: {say(h)}" for s, h in sorted(heads.items()))
+class _Step:
+    """One step's run of a :class:`StreamRunner`'s plan (all per-step state lives here)."""
 
-        threads_per_op = torch.get_num_threads()
-        cuda_events: dict[str, torch.cuda.Event] = {}
+    def __init__(self, runner: StreamRunner):
+        self.r = runner
+        self.done = {k: threading.Event() for k in runner.crossed | self._posted_keys()}
+        self.abort = threading.Event()
+        self.failure: list[TaskFailed] = []
+        self.deadline = time.monotonic() + runner.timeout_s
+        self.timeline: list[tuple[str, str, float, float]] = []
+        self.heads: dict[str, tuple[str, ...]] = {}  # what each stream is doing; words only on a timeout
+        self.cuda_events: dict[str, torch.cuda.Event] = {}
+        # posted streams: next index to post, completions not yet run, one lock per stream
+        self.next = {s: 0 for s in runner.posted}
+        self.outstanding = {s: 0 for s in runner.posted}
+        self.locks = {s: threading.Lock() for s in runner.posted}
+        self.pending: dict[str, tuple[threading.Lock, list]] = {}
+        self.threads_per_op = torch.get_num_threads()
 
-        def run(stream: str, keys: list[str]) -> None:
-            key = ""
-            previous_stream = None
-            if stream != self.inline:
-                torch.set_num_threads(threads_per_op)  # OpenMP's setting is per thread: carry it over
-            if self.cuda:
-                torch.cuda.set_device(self.device)
-                previous_stream = torch.cuda.current_stream(self.device)
-                torch.cuda.set_stream(self.cuda_streams[stream])
+    def _posted_keys(self) -> set[str]:
+        return {k for s in self.r.posted for k in self.r.plan.streams[s]}
+
+    # -- words -------------------------------------------------------------------------------
+    def say(self, head: tuple[str, ...]) -> str:
+        if head[0] == "wait":
+            return f"{head[1]} waits for {head[2]}{self.r.describe(head[2])}"
+        if head[0] == "run":
+            detail = self.r.describe(head[1])  # comm names its peers; compute names nobody
+            return f"in {head[1]}{detail}" if detail else f"computing {head[1]}"
+        return "finished"
+
+    def report(self) -> str:
+        return "; ".join(f"{s}: {self.say(h)}" for s, h in sorted(self.heads.items()))
+
+    def failed(self, key: str, stream: str, exc: BaseException) -> TaskFailed:
+        if isinstance(exc, TaskFailed):
+            return exc
+        return TaskFailed(f"rank {self.r.rank}: task {key}{self.r.describe(key)} on stream {stream!r} failed: {exc!r}",
+                          traceback.format_exc())
+
+    # -- waiting -----------------------------------------------------------------------------
+    def wait_for(self, stream: str, key: str, dep: str) -> bool:
+        """Block until ``dep`` is done (posted, for a posted task); False if the step aborted."""
+        if self.r.stream_of[dep] in self.r.posted:
+            self.post(self.r.stream_of[dep], upto=dep, waiter=(stream, key))
+        self.heads[stream] = ("wait", key, dep)
+        event = self.done[dep]
+        while not event.wait(0.05):
+            if self.abort.is_set():
+                return False
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"waited more than {self.r.timeout_s:.0f}s for {dep}"
+                                   f"{self.r.describe(dep)}; streams: {self.report()}")
+        if dep in self.pending:
+            self.complete(dep)
+        return not self.abort.is_set()
+
+    def complete(self, key: str) -> None:
+        """Run a posted task's completion once; other waiters block until it has run."""
+        entry = self.pending.get(key)
+        if entry is None:
+            return
+        lock, holder = entry
+        with lock:
+            if not holder:
+                return
+            stream, start = self.r.stream_of[key], holder[1]
             try:
-                for key in keys:
-                    for dep in self.cross[key]:
-                        heads[stream] = ("wait", key, dep)
-                        while not done[dep].wait(0.05):
-                            if abort.is_set():
-                                return
-                            if time.monotonic() > deadline:
-                                raise TimeoutError(f"waited more than {self.timeout_s:.0f}s for {dep}"
-                                                   f"{self.describe(dep)}; streams: {report()}")
-                    if self.cuda:
-                        for dep in self.cross[key]:
-                            torch.cuda.current_stream().wait_event(cuda_events[dep])
-                    heads[stream] = ("run", key)
-                    start = time.perf_counter()
-                    self.execute(key)
-                    timeline.append((stream, key, start, time.perf_counter()))
-                    if self.cuda and key in self.crossed:
-                        cuda_events[key] = torch.cuda.Event()
-                        cuda_events[key].record()
-                    if key in done:
-                        done[key].set()
-                heads[stream] = ("done",)
+                holder[0](max(self.deadline - time.monotonic(), 0.001))
             except BaseException as exc:  # noqa: BLE001 - reported with its traceback
-                if not abort.is_set():
-                    failure.append(TaskFailed(f"rank {self.rank}: task {key}{self.describe(key)} on stream {stream!r} "
-                                              f"failed: {exc!r}",
-                                              traceback.format_exc()))
-                abort.set()
-            finally:
-                if previous_stream is not None:
-                    torch.cuda.set_stream(previous_stream)
+                late = time.monotonic() >= self.deadline
+                raise TaskFailed(f"rank {self.r.rank}: task {key}{self.r.describe(key)} on stream {stream!r} "
+                                 + (f"waited more than {self.r.timeout_s:.0f}s: " if late else "failed: ")
+                                 + repr(exc), traceback.format_exc()) from None
+            holder.clear()
+            self.timeline.append((stream, key, start, time.perf_counter()))
+        with self.locks[stream]:
+            self.outstanding[stream] -= 1
+        self.post(stream)
 
-        threads = [threading.Thread(target=run, args=item, daemon=True, name=f"piper-{self.rank}-{item[0]}")
-                   for item in self.plan.streams.items() if item[0] != self.inline]
+    # -- posted streams ----------------------------------------------------------------------
+    def post(self, stream: str, upto: str | None = None, waiter: tuple[str, str] | None = None) -> None:
+        """Post ``stream``'s tasks in order: those whose dependencies are done and, without
+        ``upto``, while fewer than ``post_ahead`` completions are outstanding; with ``upto``,
+        every task up to it, waiting for their dependencies (on ``waiter``'s behalf)."""
+        keys = self.r.plan.streams[stream]
+        target = self.r.position[upto] + 1 if upto is not None else len(keys)
+        while True:
+            blocker, posted = None, False
+            with self.locks[stream]:
+                while self.next[stream] < target:
+                    key = keys[self.next[stream]]
+                    if upto is None and self.outstanding[stream] >= self.r.post_ahead:
+                        break
+                    blocker = next((d for d in self.r.cross[key] if not self.done[d].is_set()
+                                    or self._incomplete(d)), None)
+                    if blocker is not None:
+                        break
+                    self._post_one(stream, key)
+                    self.next[stream] += 1
+                    posted = True
+            if posted:  # what was posted may free the head of another posted stream
+                for other in self.r.posted - {stream}:
+                    self.post(other)
+            if upto is None or blocker is None:
+                return
+            owner = waiter or (stream, key)
+            if not self.wait_for(owner[0], owner[1], blocker):
+                return
+
+    def _incomplete(self, key: str) -> bool:
+        entry = self.pending.get(key)
+        return entry is not None and bool(entry[1])
+
+    def _post_one(self, stream: str, key: str) -> None:
+        start = time.perf_counter()
+        try:
+            if self.r.cuda:
+                for dep in self.r.cross[key]:
+                    torch.cuda.current_stream().wait_event(self.cuda_events[dep])
+            completion = self.r.execute(key)
+        except BaseException as exc:  # noqa: BLE001 - reported with its traceback
+            raise self.failed(key, stream, exc) from None
+        if completion is not None:
+            self.pending[key] = (threading.Lock(), [completion, start])
+            self.outstanding[stream] += 1
+        else:
+            self.timeline.append((stream, key, start, time.perf_counter()))
+        self.signal(key)
+
+    def signal(self, key: str) -> None:
+        if self.r.cuda and key in self.r.crossed:
+            self.cuda_events[key] = torch.cuda.Event()
+            self.cuda_events[key].record()
+        if key in self.done:
+            self.done[key].set()
+
+    # -- threaded streams --------------------------------------------------------------------
+    def run_stream(self, stream: str, keys: list[str], drain: bool = False) -> None:
+        key = ""
+        previous_stream = None
+        if stream != self.r.inline:
+            torch.set_num_threads(self.threads_per_op)  # OpenMP's setting is per thread: carry it over
+        if self.r.cuda and stream in self.r.cuda_streams:
+            torch.cuda.set_device(self.r.device)
+            previous_stream = torch.cuda.current_stream(self.r.device)
+            torch.cuda.set_stream(self.r.cuda_streams[stream])
+        try:
+            for key in keys:
+                for dep in self.r.cross[key]:
+                    if not self.wait_for(stream, key, dep):
+                        return
+                if self.r.cuda:
+                    for dep in self.r.cross[key]:
+                        torch.cuda.current_stream().wait_event(self.cuda_events[dep])
+                self.heads[stream] = ("run", key)
+                start = time.perf_counter()
+                completion = self.r.execute(key)
+                if completion is not None:  # a posting op on a threaded stream: finish it here
+                    completion(max(self.deadline - time.monotonic(), 0.001))
+                self.timeline.append((stream, key, start, time.perf_counter()))
+                self.signal(key)
+                for posted in self.r.posted:  # e.g. a SEND goes out right after the chunk that made it
+                    self.post(posted)
+            if drain:  # the caller posts and completes what is left
+                self.drain()
+            self.heads[stream] = ("done",)
+        except BaseException as exc:  # noqa: BLE001 - reported with its traceback
+            if not self.abort.is_set():
+                self.failure.append(self.failed(key, stream, exc))
+            self.abort.set()
+        finally:
+            if previous_stream is not None:
+                torch.cuda.set_stream(previous_stream)
+
+    def drain(self) -> None:
+        for stream in sorted(self.r.posted):
+            keys = self.r.plan.streams[stream]
+            self.post(stream, upto=keys[-1], waiter=(stream, keys[-1]))
+            for key in keys:
+                if self.abort.is_set():
+                    return
+                self.complete(key)
+
+    def run(self) -> None:
+        r = self.r
+        threads = [threading.Thread(target=self.run_stream, args=item, daemon=True, name=f"piper-{r.rank}-{item[0]}")
+                   for item in r.plan.streams.items() if item[0] != r.inline and item[0] not in r.posted]
         for t in threads:
             t.start()
-        if self.inline is not None:  # its waits watch the deadline and the other streams' failures
-            run(self.inline, self.plan.streams[self.inline])
+        if r.inline is not None:  # its waits watch the deadline and the other streams' failures
+            self.run_stream(r.inline, r.plan.streams[r.inline], drain=True)
+        elif r.posted:
+            self.run_stream("(caller)", [], drain=True)
         # Then the caller only watches: a thread stuck in a collective cannot hide another's failure.
-        while not abort.is_set():
+        while not self.abort.is_set():
             alive = [t for t in threads if t.is_alive()]  # one snapshot: a thread may end in between
             if not alive:
                 break
             alive[0].join(0.02)
-            if time.monotonic() > deadline + 1 and not abort.is_set():
-                abort.set()
-                failure.append(TaskFailed(f"rank {self.rank}: step did not finish within {self.timeout_s:.0f}s"))
-        if failure:
-            raise failure[0]
-        for cuda_stream in self.cuda_streams.values():
+            if time.monotonic() > self.deadline + 1 and not self.abort.is_set():
+                self.abort.set()
+                self.failure.append(TaskFailed(f"rank {r.rank}: step did not finish within {r.timeout_s:.0f}s"))
+        if self.failure:
+            raise self.failure[0]
+        for cuda_stream in r.cuda_streams.values():
             cuda_stream.synchronize()
-        self.timeline = timeline
+        r.timeline = self.timeline

@@ -23,7 +23,7 @@ from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.memory import tensor_bytes
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner, compute_stream
+from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
 
@@ -53,7 +53,7 @@ class Worker:
         self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s,
                              self.device)
         self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device,
-                                   inline=compute_stream(plan, rank))
+                                   inline=compute_stream(plan, rank), posted=posted_streams(plan, rank))
         self.loss_group = self._loss_group(program)
         self.step_index = 0
         gc.collect()
@@ -76,12 +76,11 @@ class Worker:
             return f" (a collective with ranks {list(group)})"
         return ""
 
-    def _execute(self, key: str) -> None:
+    def _execute(self, key: str):
         node = self.plan.dag.nodes[key]
         if node.kind in COMPUTE:
-            run_compute(self.state, node)
-        else:
-            self.comm.run(self.state, node)
+            return run_compute(self.state, node)
+        return self.comm.run(self.state, node)  # a RECV returns its completion
 
     def step(self) -> dict[str, Any]:
         batch = next(self.data)
