@@ -4,10 +4,10 @@ TorchTitan wraps every model part with ``fully_shard`` (a no-op all-gather at de
 ``data_parallel_replicate_degree`` > 1). While a step's plan runs, :func:`hold_gradients` keeps
 the parameters unsharded and their gradients unsharded and unreduced, so a split backward's BW
 can run autograd to the unsharded weights after BI already passed the module's inputs (where
-FSDP's post-backward hook fires). After the last task :func:`reduce_gradients` runs each
-parameter group's post-backward once: gradients are reduced (all-reduced over replicas) into the
-sharded ``param.grad`` that TorchTitan clips and steps, and the parameters are resharded. This is
-what torch.distributed.pipelining does after a schedule's last backward.
+FSDP's post-backward hook fires). After a stage's last backward task :func:`reduce_gradients`
+runs each of its parameter groups' post-backward once: gradients are reduced (all-reduced over
+replicas) into the sharded ``param.grad`` that TorchTitan clips and steps, and the parameters
+are resharded. This is what torch.distributed.pipelining does after a stage's last backward.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@
 executor as Piper's Worker. Gradients stay in ``param.grad`` for TorchTitan's clip + optimizer
 step: the plan's UPDATE nodes run a no-op optimizer, and the loss gradient is 1 because
 TorchTitan's loss already divides by the global number of valid tokens. FSDP-wrapped parts keep
-unsharded, unreduced gradients during the step and reduce them once after it (:mod:`.fsdp_sync`),
-so B, BI and BW are the core's handlers unchanged.
+unsharded, unreduced gradients during the step; each stage reduces them once, right after its
+last backward task on this rank (:mod:`.fsdp_sync`), so B, BI and BW are the core's handlers
+unchanged and a stage finished early reduces inside the cool-down's idle time, not after the step.
 
 ``eval`` runs forward only, stage by stage in microbatch order (no backward, nothing to
 schedule), with blocking P2P of the hidden states.
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from piper_plugin.ir.nodes import COMPUTE
+from piper_plugin.ir.nodes import COMPUTE, Kind
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.rank_state import RankState
@@ -73,8 +74,11 @@ class PiperPipelineSchedule:
         placement = plan.dag.meta["placement"]
         self.stage_rank = {int(r): pp for r, pp in placement.items()}
         self._eval_group = dist.new_group(list(range(dist.get_world_size())))
-        # TorchTitan wraps every part in FSDP2: gradients are reduced once, after the step.
-        self._fsdp = fsdp_roots(parts)
+        # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
+        # right after its last backward task on this rank (inside the cool-down's idle time).
+        self._fsdp = {s: fsdp_roots({s: part}) for s, part in parts.items()}
+        self._reduce_after = _last_backwards(plan, rank)
+        self._reduced: set[int] = set()
         self.has_first_stage = 0 in parts
         self.has_last_stage = self.num_stages - 1 in parts
 
@@ -100,9 +104,14 @@ class PiperPipelineSchedule:
 
     def _execute_node(self, key: str):
         node = self.plan.dag.nodes[key]
-        if node.kind in COMPUTE:
-            return run_compute(self._state, node)
-        return self.comm.run(self._state, node)  # a RECV returns its completion
+        if node.kind not in COMPUTE:
+            return self.comm.run(self._state, node)  # a RECV returns its completion
+        run_compute(self._state, node)
+        stage = self._reduce_after.get(key)
+        if stage is not None:  # this stage's gradients are final on this rank
+            reduce_gradients(self._fsdp[stage])
+            self._reduced.add(stage)
+        return None
 
     def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
         m = self.microbatches
@@ -131,10 +140,14 @@ class PiperPipelineSchedule:
         state.losses = []
         state.meter.reset_peak()
         self._spmd_context = caller_spmd_context()
-        hold_gradients(self._fsdp)
+        self._reduced = set()
+        for roots in self._fsdp.values():
+            hold_gradients(roots)
         self._runner.run_step()
         self.comm.wait_sends()
-        reduce_gradients(self._fsdp)
+        for stage, roots in self._fsdp.items():
+            if stage not in self._reduced:
+                reduce_gradients(roots)
         if losses is not None and self.has_last_stage:
             losses.extend(state.losses)
         state.inputs = {}
@@ -173,3 +186,15 @@ class PiperPipelineSchedule:
 
     def _device(self) -> torch.device:
         return next(p for m in self.parts.values() for p in m.parameters()).device
+
+
+def _last_backwards(plan: Plan, rank: int) -> dict[str, int]:
+    """Task key -> stage, for the last backward task (B, BI or BW) of each of ``rank``'s stages
+    in its stream's order: after it the stage's gradients for the step are complete."""
+    last: dict[int, str] = {}
+    for keys in plan.ranks[rank].streams.values():
+        for key in keys:
+            node = plan.dag.nodes[key]
+            if node.kind in (Kind.B, Kind.BI, Kind.BW):
+                last[int(node.region)] = key
+    return {key: stage for stage, key in last.items()}
