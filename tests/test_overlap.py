@@ -1,5 +1,9 @@
 """Streams are real: ZeRO-3 gathers and reduce-scatters on their own stream overlap compute,
-measured side by side against the same plan with every task on one stream."""
+measured side by side against the same plan with every task on one stream.
+
+Each variant's best step is compared: other load on a shared host only ever lengthens steps
+(one CI run saw the streamed variant's median at 1.4x its usual), so the best of three rounds
+is what each plan can do; undisturbed, the streamed plan takes about 0.8x the single stream."""
 import functools
 import statistics
 import time
@@ -29,17 +33,21 @@ def _step_times(worker, steps=4):
     return times[1:]
 
 
-def _median_step(one_stream: bool) -> float:
+def _step_times_of(one_stream: bool) -> list[float]:
+    """The step times of one run: per step, the slowest rank's."""
     job = Job(emulated.Wide, emulated.mse, emulated.data, functools.partial(_schedule, one_stream),
               functools.partial(torch.optim.SGD, lr=0.01), steps=4)
     program, _, plan, _ = compile_job(job)
     assert {s for rp in plan.ranks for s in rp.streams} == ({"compute"} if one_stream else {"compute", "dp"})
     out = run_forked(job, program, plan, body=_step_times)
-    return statistics.median(t for times in out.values() for t in times)
+    return [max(per_rank) for per_rank in zip(*out.values())]
 
 
 def test_comm_stream_overlaps_compute():
-    rounds = [(_median_step(False), _median_step(True)) for _ in range(3)]  # alternate A/B
-    streams = statistics.median(a for a, _ in rounds)
-    single = statistics.median(b for _, b in rounds)
-    assert streams < 0.95 * single, f"own comm stream {streams:.3f}s vs one stream {single:.3f}s"
+    streams, single = [], []
+    for _ in range(3):  # alternate A/B
+        streams += _step_times_of(False)
+        single += _step_times_of(True)
+    assert min(streams) < 0.95 * min(single), (
+        f"own comm stream best {min(streams):.3f}s (median {statistics.median(streams):.3f}s) vs one stream "
+        f"best {min(single):.3f}s (median {statistics.median(single):.3f}s)")
