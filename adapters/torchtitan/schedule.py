@@ -78,7 +78,6 @@ class PiperPipelineSchedule:
         # right after its last backward task on this rank (inside the cool-down's idle time).
         self._fsdp = {s: fsdp_roots({s: part}) for s, part in parts.items()}
         self._reduce_after = _last_backwards(plan, rank)
-        self._reduced: set[int] = set()
         self.has_first_stage = 0 in parts
         self.has_last_stage = self.num_stages - 1 in parts
 
@@ -110,7 +109,6 @@ class PiperPipelineSchedule:
         stage = self._reduce_after.get(key)
         if stage is not None:  # this stage's gradients are final on this rank
             reduce_gradients(self._fsdp[stage])
-            self._reduced.add(stage)
         return None
 
     def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
@@ -140,14 +138,10 @@ class PiperPipelineSchedule:
         state.losses = []
         state.meter.reset_peak()
         self._spmd_context = caller_spmd_context()
-        self._reduced = set()
         for roots in self._fsdp.values():
             hold_gradients(roots)
-        self._runner.run_step()
+        self._runner.run_step()  # every local stage reduced its gradients after its last backward
         self.comm.wait_sends()
-        for stage, roots in self._fsdp.items():
-            if stage not in self._reduced:
-                reduce_gradients(roots)
         if losses is not None and self.has_last_stage:
             losses.extend(state.losses)
         state.inputs = {}

@@ -77,6 +77,8 @@ class StreamRunner:
         self.inline = inline if inline in plan.streams else None  # runs on the caller's thread
         self.posted = {s for s in posted if s in plan.streams and s != self.inline}
         self.post_ahead = max(1, post_ahead)
+        # tasks that get a per-step event: waited for across streams, or posted (waited for when forced)
+        self.evented = self.crossed | {k for s in self.posted for k in plan.streams[s]}
 
     def run_step(self) -> None:
         _Step(self).run()
@@ -87,7 +89,7 @@ class _Step:
 
     def __init__(self, runner: StreamRunner):
         self.r = runner
-        self.done = {k: threading.Event() for k in runner.crossed | self._posted_keys()}
+        self.done = {k: threading.Event() for k in runner.evented}
         self.abort = threading.Event()
         self.failure: list[TaskFailed] = []
         self.deadline = time.monotonic() + runner.timeout_s
@@ -100,9 +102,6 @@ class _Step:
         self.locks = {s: threading.Lock() for s in runner.posted}
         self.pending: dict[str, tuple[threading.Lock, list]] = {}
         self.threads_per_op = torch.get_num_threads()
-
-    def _posted_keys(self) -> set[str]:
-        return {k for s in self.r.posted for k in self.r.plan.streams[s]}
 
     # -- words -------------------------------------------------------------------------------
     def say(self, head: tuple[str, ...]) -> str:
