@@ -32,7 +32,7 @@ def _forward(state: RankState, node: Node) -> None:
             args.append(state.inputs[v][mb])
         else:
             raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
-    with state.meter.saved_tensor_hooks():
+    with state.meter.window(node.key, saves=True):
         outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
     state.saved[(node.region, mb)] = (leaves, outputs)
     if node.region == state.loss_region:
@@ -61,10 +61,12 @@ def _deliver_input_grads(state: RankState, node: Node, leaves, grads) -> None:
 
 
 def _backward(state: RankState, node: Node) -> None:
-    leaves, outputs = state.saved.pop((node.region, node.microbatch))
-    outs, grads = _output_grads(state, node, outputs, state.take(node.key))
-    if outs:
-        torch.autograd.backward(outs, grads)
+    with state.meter.window(node.key):  # the graph, and what it saved, goes inside
+        leaves, outputs = state.saved.pop((node.region, node.microbatch))
+        outs, grads = _output_grads(state, node, outputs, state.take(node.key))
+        if outs:
+            torch.autograd.backward(outs, grads)
+        del outputs, outs, grads
     _deliver_input_grads(state, node, leaves, [leaf.grad for leaf in leaves.values()])
 
 
@@ -73,16 +75,18 @@ def _backward_input(state: RankState, node: Node) -> None:
         _backward(state, node)
         return
     key = (node.region, node.microbatch)
-    leaves, outputs = state.saved[key]
-    outs, grads = _output_grads(state, node, outputs, state.take(node.key))
-    wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
-    got, pending = backward_input(outs, grads, wanted)
+    with state.meter.window(node.key):
+        leaves, outputs = state.saved[key]
+        outs, grads = _output_grads(state, node, outputs, state.take(node.key))
+        wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
+        got, pending = backward_input(outs, grads, wanted)
+        del outputs, outs, grads
+        if state.dag.regions[node.region].params:
+            state.pending_bw[key] = pending
+        else:
+            del state.saved[key], pending
     got = iter(got)
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
-    if state.dag.regions[node.region].params:
-        state.pending_bw[key] = pending
-    else:
-        del state.saved[key]
 
 
 def _backward_weight(state: RankState, node: Node) -> None:
@@ -90,8 +94,9 @@ def _backward_weight(state: RankState, node: Node) -> None:
     state.take(node.key)  # BI already read these gradients; drop BW's copies
     if key not in state.pending_bw:  # done by its BI as one full backward
         return
-    state.pending_bw.pop(key).run()
-    del state.saved[key]
+    with state.meter.window(node.key):
+        state.pending_bw.pop(key).run()
+        del state.saved[key]
 
 
 def _update(state: RankState, node: Node) -> None:
@@ -109,11 +114,8 @@ _HANDLERS = {Kind.F: _forward, Kind.B: _backward, Kind.BI: _backward_input, Kind
 def _hand_off_grads(state: RankState, node: Node) -> None:
     """Per-microbatch reductions (ZeRO-2/3) get this microbatch's gradients by value, so a
     reduce-scatter on another stream never races the next microbatch's backward."""
-    for succ in state.dag.data_succ[node.key]:
-        target = state.dag.nodes[succ]
-        if target.kind == Kind.REDUCE_SCATTER and target.phase == "B" and state.rank in target.devices:
-            bucket = state.buckets[(node.region, target.bucket)]
-            state.deliver_to(succ, "grads", bucket.flat_grad(take=True))
+    for succ, bucket in state.grad_handoffs(node.key):
+        state.deliver_to(succ, "grads", state.buckets[(node.region, bucket)].flat_grad(take=True))
 
 
 def run_compute(state: RankState, node: Node) -> None:

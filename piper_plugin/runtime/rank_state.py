@@ -54,13 +54,16 @@ class RankState:
         self._build_buckets(named, optimizer_fn)
         self._drop_foreign(model, named)
         self.device = next(iter(named.values())).device if named else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
         self.inbox: dict[str, dict[str, torch.Tensor]] = {}
         self._succ_cache: dict[str, list[tuple[str, Any]]] = {}
         self._gather_cache: dict[str, list[tuple[str, int]]] = {}
+        self._handoff_cache: dict[str, list[tuple[str, int]]] = {}
         self._lock = threading.Lock()
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
         self.inputs: dict[str, list[torch.Tensor]] = {}
+        self.batch_shapes: tuple = ()  # every microbatch's input shapes, by input name
         self.losses: list[torch.Tensor] = []
         self.grad_pieces: dict[str, list[Piece]] = {}
         self.snapshot_grads = False
@@ -116,18 +119,24 @@ class RankState:
         for name, full in inputs.items():
             shard = full.chunk(grid.data_shards)[self.shard_index].to(self.device, non_blocking=True)
             self.inputs[name] = list(shard.chunk(m))
+        self.batch_shapes = tuple((name, tuple(tuple(t.shape) for t in mbs)) for name, mbs in self.inputs.items())
         self.losses = []
 
     # -- data flow --------------------------------------------------------------------------
     def deliver(self, key: str, outputs: dict[str, torch.Tensor]) -> None:
-        for succ, values in self._local_succ(key):
-            with self._lock:
+        added = 0
+        with self._lock:
+            for succ, values in self._local_succ(key):
                 box = self.inbox.setdefault(succ, {})
                 for v in values:
                     if v in outputs:
-                        if v not in box:
-                            self.meter.add(_nbytes(outputs[v]))
-                        box[v] = outputs[v] if v not in box else box[v] + outputs[v]
+                        if v in box:
+                            box[v] = box[v] + outputs[v]
+                        else:
+                            box[v] = outputs[v]
+                            added += _nbytes(outputs[v])
+        if added:
+            self.meter.add(added)
 
     def _local_succ(self, key: str) -> list[tuple[str, Any]]:
         """Successors of ``key`` on this rank with the values they read (cached: the DAG is fixed)."""
@@ -137,6 +146,19 @@ class RankState:
             self._succ_cache[key] = found
         return found
 
+    def grad_handoffs(self, key: str) -> list[tuple[str, int]]:
+        """(reduce-scatter, bucket) of each per-microbatch ZeRO reduction on this rank that takes
+        ``key``'s gradients (cached: the DAG is fixed)."""
+        found = self._handoff_cache.get(key)
+        if found is None:
+            found = []
+            for succ in self.dag.data_succ[key]:
+                target = self.dag.nodes[succ]
+                if target.kind == Kind.REDUCE_SCATTER and target.phase == "B" and self.rank in target.devices:
+                    found.append((succ, target.bucket))
+            self._handoff_cache[key] = found
+        return found
+
     def deliver_to(self, key: str, value: str, tensor: torch.Tensor) -> None:
         with self._lock:
             self.inbox.setdefault(key, {})[value] = tensor
@@ -144,12 +166,14 @@ class RankState:
 
     def take(self, key: str) -> dict[str, torch.Tensor]:
         with self._lock:
-            box = self.inbox.pop(key, {})
-        if self.device.type == "cuda":  # made on another stream: keep its memory until this one is done
+            box = self.inbox.pop(key, None)
+        if not box:
+            return {}
+        if self.cuda:  # made on another stream: keep its memory until this one is done
             for t in box.values():
                 if isinstance(t, torch.Tensor):
                     t.record_stream(torch.cuda.current_stream(self.device))
-        self.meter.add(-sum(_nbytes(t) for t in box.values()))
+        self.meter.add(-sum(map(_nbytes, box.values())))
         return box
 
     def finished(self, key: str) -> None:

@@ -85,7 +85,7 @@ class Worker:
     def step(self) -> dict[str, Any]:
         batch = next(self.data)
         self.state.set_batch(dict(zip(self.state.input_names, batch)))
-        self.state.meter.reset_peak()
+        self.state.meter.begin_step(self.state.batch_shapes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()

@@ -1,0 +1,89 @@
+"""The memory meter: saved activations measured through hooks, then replayed once steps agree."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from piper_plugin.runtime.memory import MemoryMeter
+
+SHAPES = (("x", ((4, 8),)),)
+
+
+def _counting(meter: MemoryMeter) -> list[int]:
+    """Count the meter's pack-hook calls (the hooks the replay must leave out)."""
+    calls = [0]
+    pack = meter._pack
+
+    def counted(t):
+        calls[0] += 1
+        return pack(t)
+
+    meter._pack = counted
+    return calls
+
+
+def _step(meter: MemoryMeter, layer: nn.Module, shapes=SHAPES, rows: int = 4, leak: list | None = None):
+    """One forward window and one backward window; returns (bytes after F, after B, step peak)."""
+    meter.begin_step(shapes)
+    x = torch.randn(rows, 8, requires_grad=True)
+    with meter.window("F0", saves=True):
+        y = layer(torch.tanh(x)).relu().sum()
+    after_f = meter.current
+    if leak is not None:  # a graph kept past its backward window: released outside any window
+        leak.append(y)
+    with meter.window("B0"):
+        y.backward(retain_graph=leak is not None)
+        del y
+    return after_f, meter.current, meter.peak
+
+
+def test_replayed_steps_reach_the_measured_values_without_hooks():
+    meter, layer = MemoryMeter(), nn.Linear(8, 8)
+    meter.ignore(list(layer.parameters()))
+    calls = _counting(meter)
+    seen = []
+    for _ in range(4):
+        before = calls[0]
+        seen.append((_step(meter, layer), calls[0] - before))
+    (measured, hooks0), (again, hooks1), (replayed, hooks2), (_, hooks3) = seen
+    assert hooks0 > 0 and hooks1 > 0, "the first two steps are measured"
+    assert hooks2 == 0 and hooks3 == 0, "agreeing steps must be replayed without hooks"
+    assert measured == again == replayed
+    after_f, after_b, peak = measured
+    assert after_f > 0 and after_b == 0 and peak == after_f
+
+
+def test_new_batch_shapes_are_measured_again():
+    meter, layer = MemoryMeter(), nn.Linear(8, 8)
+    meter.ignore(list(layer.parameters()))
+    calls = _counting(meter)
+    for _ in range(3):
+        small = _step(meter, layer)
+    before = calls[0]
+    big = _step(meter, layer, shapes=(("x", ((16, 8),)),), rows=16)
+    assert calls[0] > before, "unseen shapes must be measured"
+    assert big[0] > small[0]
+    before = calls[0]
+    assert _step(meter, layer) == small and calls[0] == before, "known shapes replay what they agreed on"
+
+
+def test_a_release_outside_any_window_keeps_measuring():
+    meter, layer = MemoryMeter(), nn.Linear(8, 8)
+    meter.ignore(list(layer.parameters()))
+    calls = _counting(meter)
+    for _ in range(4):
+        leak: list = []
+        before = calls[0]
+        _step(meter, layer, leak=leak)
+        leak.clear()  # the graph (and what it saved) goes here, between windows
+        assert calls[0] > before
+        assert meter.current == 0
+
+
+def test_an_untracked_meter_has_no_windows():
+    meter, layer = MemoryMeter(), nn.Linear(8, 8)
+    meter.track_saved = False
+    calls = _counting(meter)
+    for _ in range(3):
+        assert _step(meter, layer) == (0, 0, 0)
+    assert calls[0] == 0
