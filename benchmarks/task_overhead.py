@@ -16,6 +16,9 @@ communication):
   AdamW step per region, timed in the rank after the run;
 * overhead per task = ``(step - bare chunks) / tasks`` (goal: < 100 us on CPU) for the median
   and the best step, and the executor's own share ``(step - in handlers) / tasks``;
+* CPU overhead per task = ``(CPU time of the rank's process in a step, every thread - bare
+  chunks) / tasks``, median step: the work the runtime adds per task, without the time a rank
+  only waits for a message (with two ranks and empty chunks, that wait is most of a step);
 * for reference, the same job (weights, batches, stages, schedule) run by
   ``torch.distributed.pipelining``, and the gloo round-trip latency between two local ranks
   (with two ranks, a tiny step is a chain of P2P messages: latency, not compute).
@@ -107,19 +110,20 @@ def sequential_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module
     return nn.Sequential(*[m for m in model if module_tags(m).get("PP") == stage])
 
 
-def _gloo_round_trip(rank: int, world: int, n: int = 1000) -> float:
-    """Seconds per 1-float send + recv round trip between ranks 0 and 1."""
+def _gloo_round_trip(rank: int, world: int, n: int = 1000) -> tuple[float, float]:
+    """Seconds per 1-float send + recv round trip between ranks 0 and 1: wall, and the CPU time
+    this rank's process (every thread) spent on it."""
     t = torch.zeros(1)
     for i in range(n + 100):
         if i == 100:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
         if rank == 0:
             dist.send(t, 1)
             dist.recv(t, 1)
         else:
             dist.recv(t, 0)
             dist.send(t, 0)
-    return (time.perf_counter() - start) / n
+    return (time.perf_counter() - start) / n, (time.process_time() - start_cpu) / n
 
 
 def _bare(worker, repeats: int) -> float:
@@ -154,18 +158,19 @@ def _bare(worker, repeats: int) -> float:
 
 def _timed(worker, warmup: int, steps: int) -> dict[str, Any]:
     nodes = worker.plan.dag.nodes
-    times, handlers = [], []
+    times, handlers, cpu = [], [], []
     for _ in range(warmup + steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         worker.step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         handlers.append(sum(end - begin for _, key, begin, end in worker.runner.timeline
                             if nodes[key].kind in COMPUTE))
     kinds: dict[str, int] = {}
     for _, key, _, _ in worker.runner.timeline:
         kinds[nodes[key].kind.value] = kinds.get(nodes[key].kind.value, 0) + 1
-    return {"times": times[warmup:], "handlers": handlers[warmup:], "tasks": len(worker.runner.timeline),
+    return {"times": times[warmup:], "handlers": handlers[warmup:], "cpu": cpu[warmup:], "tasks": len(worker.runner.timeline),
             "kinds": kinds, "bare": _bare(worker, 5), "cpu_total": time.process_time()}
 
 
@@ -189,6 +194,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "tasks": tasks, "kinds": worst["kinds"], "step": step, "best": best, "in_handlers": best_handlers,
             "bare": worst["bare"], "overhead": (step - worst["bare"]) / tasks,
             "overhead_best": (best - worst["bare"]) / tasks, "executor_best": (best - best_handlers) / tasks,
+            "cpu_overhead": max((median(r["cpu"]) - r["bare"]) / r["tasks"] for r in per_rank_results.values()),
             "torch_step": median(torch_steps), "torch_best": min(torch_steps)}
 
 
@@ -233,22 +239,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     command = command_line("task_overhead", args, parser)
     print(command, flush=True)
     rows = [measure(name, args) for name in args.configs]
-    round_trip = median([run_ranks(2, _gloo_round_trip)[0] for _ in range(args.round_trips)])
+    trips = [run_ranks(2, _gloo_round_trip)[0] for _ in range(args.round_trips)]
+    round_trip, round_trip_cpu = median([w for w, _ in trips]), median([c for _, c in trips])
     table = markdown_table(
         ["configuration", "tasks/rank", "task kinds", "step ms: median / best",
          "in handlers ms (best step)", "bare chunks ms", "overhead/task us: median / best step",
-         "executor/task us (best step)", "torch.pipelining step ms: median / best", "other load, cores"],
+         "executor/task us (best step)", "CPU overhead/task us (median step, busiest rank)", "torch.pipelining step ms: median / best", "other load, cores"],
         [[r["config"], r["tasks"], " ".join(f"{k}:{v}" for k, v in sorted(r["kinds"].items())),
           f"{_ms(r['step'])} / {_ms(r['best'])}", _ms(r["in_handlers"]), _ms(r["bare"]),
-          f"**{_us(r['overhead'])}** / **{_us(r['overhead_best'])}**", _us(r["executor_best"]),
+          f"**{_us(r['overhead'])}** / **{_us(r['overhead_best'])}**", _us(r["executor_best"]), f"**{_us(r['cpu_overhead'])}**",
           "" if r["torch_step"] != r["torch_step"] else f"{_ms(r['torch_step'])} / {_ms(r['torch_best'])}",
           "n/a" if r["load"] is None else f"{r['load']:.2f}"]
          for r in rows])
     print(table)
-    print(f"gloo round trip (1 float, send + recv, 2 local ranks): {_us(round_trip)} us")
+    print(f"gloo round trip (1 float, send + recv, 2 local ranks): {_us(round_trip)} us, "
+          f"{_us(round_trip_cpu)} us CPU per rank")
     verdicts = "; ".join(f"{r['config']}: {_us(r['overhead'])} us (best step {_us(r['overhead_best'])} us), "
                          f"{'meets' if r['overhead'] < 100e-6 else 'misses'} the goal" for r in rows)
     print(f"overhead per task, median step (goal < 100 us): {verdicts}")
+    cpu_verdicts = "; ".join(f"{r['config']}: {_us(r['cpu_overhead'])} us" for r in rows)
+    print(f"CPU overhead per task: {cpu_verdicts}")
     text = "\n".join([
         "# Per-task overhead of Piper's executor", "",
         f"Command: `{command}`", "",
@@ -257,14 +267,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "per microbatch. Slowest rank shown; tasks = every task of the rank's plan (compute and P2P). "
         "'in handlers' = summed duration of the compute tasks around `execute`; 'bare chunks' = the same "
         "chunk forwards/backwards and optimizer steps called directly, best of 5; overhead/task = (step - bare "
-        "chunks) / tasks; executor/task = (step - in handlers) / tasks. 'Other load' = "
+        "chunks) / tasks; executor/task = (step - in handlers) / tasks; CPU overhead/task = (CPU time of the "
+        "rank's process in the step, all threads - bare chunks) / tasks, on the rank where it is largest: the "
+        "work the runtime adds per task, leaving out time spent only waiting for a message. 'Other load' = "
         "cores other processes kept busy meanwhile (this machine is shared; the best step is the least "
         "disturbed one).", "",
         table, "",
-        f"Gloo round trip between two local ranks (1 float, blocking send + recv): {_us(round_trip)} us. With two "
-        "ranks a tiny step is a chain of such messages, which bounds the two-rank rows from below for any "
-        "engine; compare with the torch.pipelining column.", "",
+        f"Gloo round trip between two local ranks (1 float, blocking send + recv): {_us(round_trip)} us, of which "
+        f"each rank's process spends {_us(round_trip_cpu)} us of CPU (one message sent and one received). With "
+        "two ranks a tiny step is a chain of such messages, which bounds the two-rank rows from below for any "
+        "engine, in time and in CPU (every RECV and SEND task is one message); compare with the "
+        "torch.pipelining column.", "",
         f"Overhead per task, median step (goal < 100 us): {verdicts}.", "",
+        f"CPU overhead per task, median step: {cpu_verdicts}.", "",
     ])
     path = write_result(args.out, "task_overhead.md", text)
     print(f"wrote {path}")
