@@ -74,6 +74,10 @@ class StorageMeter(MemoryMeter):
         ptr, nbytes = self.count_storage(t)
         weakref.finalize(owner, self._drop, ptr, nbytes)
 
+    def begin_step(self, shapes: tuple) -> None:
+        """Measure every step: the reference never replays (``hold`` counts outside the hooks)."""
+        self.reset_peak()
+
     def _is_param(self, t: torch.Tensor) -> bool:
         return id(t) in self._params or t.untyped_storage().data_ptr() in self._param_storages
 

@@ -10,8 +10,11 @@ them (a chunk's forward) or where autograd releases them (a backward). A hook is
 per saved tensor, about 7% of a transformer stage's forward on a CPU. So once two consecutive
 steps with the same batch shapes changed the count by the same bytes in the same windows, and
 no change fell outside a window, later steps with those shapes replay each window's change at
-its end, with no hooks. Replayed steps therefore reach the same values at every window's end as
-measured ones; a step that breaks the pattern can only follow a shape change, which measures anew.
+its end, with no hooks; steps with new shapes are measured anew. Replayed steps reach the same
+values at every window's end, and the same highs inside it, as the measured ones. This assumes a
+chunk saves the same bytes whenever its batch shapes are the same: true of static-shape models
+(the toy MoE dispatches over a fixed capacity), not of data-dependent ones such as a dropless MoE
+whose two measured steps happened to agree.
 """
 from __future__ import annotations
 
