@@ -170,8 +170,8 @@ def _timed(worker, warmup: int, steps: int) -> dict[str, Any]:
     kinds: dict[str, int] = {}
     for _, key, _, _ in worker.runner.timeline:
         kinds[nodes[key].kind.value] = kinds.get(nodes[key].kind.value, 0) + 1
-    return {"times": times[warmup:], "handlers": handlers[warmup:], "cpu": cpu[warmup:], "tasks": len(worker.runner.timeline),
-            "kinds": kinds, "bare": _bare(worker, 5), "cpu_total": time.process_time()}
+    return {"times": times[warmup:], "handlers": handlers[warmup:], "cpu": cpu[warmup:],
+            "tasks": len(worker.runner.timeline), "kinds": kinds, "bare": _bare(worker, 5), "cpu_total": time.process_time()}
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
