@@ -61,9 +61,9 @@ class _Window:
         if self.replay is not None:
             meter.replay(*self.replay)
             return
-        change, rise = meter.saved - self.before, meter._high - self.before
-        last = meter._log.get(self.task)  # a task in two windows: keep both effects in one
-        meter._log[self.task] = (change, rise) if last is None else (last[0] + change, max(last[1], last[0] + rise))
+        # each handler opens one window per task; a second would overwrite the first's change, so
+        # the step's changes would not add up to zero (unless the first changed nothing): no replay
+        meter._log[self.task] = (meter.saved - self.before, meter._high - self.before)
 
 
 class MemoryMeter:
