@@ -59,7 +59,7 @@ class _Window:
         if self.hooks is not None:
             self.hooks.__exit__(*exc)
         if self.replay is not None:
-            meter.replay(*self.replay)
+            meter.replay_window(*self.replay)
             return
         # each handler opens one window per task; a second would overwrite the first's change, so
         # the step's changes would not add up to zero (unless the first changed nothing): no replay
@@ -88,7 +88,7 @@ class MemoryMeter:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
 
-    def replay(self, change: int, rise: int) -> None:
+    def replay_window(self, change: int, rise: int) -> None:
         """A replayed window: saved bytes rise by ``rise``, then end ``change`` above the start."""
         with self._lock:
             if self.current + rise > self.peak:
@@ -149,8 +149,7 @@ class MemoryMeter:
         return ptr, nbytes
 
     def saved_tensor_hooks(self):
-        if not self.track_saved:
-            return contextlib.nullcontext()
+        """The hooks a measured forward window installs (only while ``track_saved``)."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor):
