@@ -57,9 +57,10 @@ def test_task_overhead_smoke(tmp_path, capsys):
     assert [r[0] for r in table] == list(task_overhead.CONFIGS)
     assert all(int(r[1]) == row["tasks"] for r, row in zip(table, rows))
     for r in rows:
-        assert r["tasks"] > 0 and r["step"] > 0 and r["bare"] > 0 and r["torch_step"] > 0
-    for r, row in zip(table, rows):  # the CPU column is the rank's own measurement
-        assert r[8] == f"**{row['cpu_overhead'] * 1e6:.0f}**"
+        assert r["tasks"] > 0 and r["step"] > 0 and r["bare"] > 0 and r["replay"] > 0 and r["torch_step"] > 0
+    for r, row in zip(table, rows):  # the overhead columns are the ranks' own measurements
+        assert r[5] == f"**{row['runtime'] * 1e6:.0f}** / **{row['runtime_best'] * 1e6:.0f}**"
+        assert r[6] == f"**{row['runtime_cpu'] * 1e6:.0f}**"
     # 1 rank, 8 stages, 4 microbatches: F and B per stage and microbatch, one UPDATE per stage
     assert rows[0]["kinds"] == {"F": 32, "B": 32, "UPDATE": 8}
 

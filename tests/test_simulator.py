@@ -8,12 +8,13 @@ from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import build_plan
+from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET
 from piper_plugin.scheduler.simulate import simulate
 
 F, B, W = 1.0, 2.0, 1.0  # per pipeline stage of a one-chunk schedule; B is the full backward
 
 
-def _simulate(recipe, p, m, dp=1, zero=0, cost=None):
+def _simulate(recipe, p, m, dp=1, zero=0, cost=None, post_budget=POST_BUDGET):
     stages = stages_needed(recipe, p)
     with torch.device("meta"):
         model, cfg = build_toy_lm(stages=stages, layers=stages)
@@ -22,7 +23,7 @@ def _simulate(recipe, p, m, dp=1, zero=0, cost=None):
     apply_recipe(sch, recipe, microbatches=m, zero=zero)
     v = stages // p
     plan = build_plan(sch.dag, sch.grid)
-    return plan, simulate(plan, cost or CostModel.uniform(F=F / v, B=B / v, W=W / v))
+    return plan, simulate(plan, cost or CostModel.uniform(F=F / v, B=B / v, W=W / v), post_budget=post_budget)
 
 
 def _expected_idle(recipe, p):
@@ -59,16 +60,30 @@ def test_gpipe_bubble_fraction(p, m):
     assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=0.01)
 
 
-def _activation_units(plan, result):
-    region = plan.dag.regions["0"]
-    unit = region.activation_bytes // plan.microbatches
-    return result.peak_transient_bytes[0] / unit
-
-
 def test_gpipe_holds_every_microbatch_and_1f1b_holds_p():
+    """Activations of m microbatches vs of p, plus on rank 0 the gradient receives posted
+    ``POST_AHEAD`` deep (and the one being consumed)."""
     p, m = 4, 8
-    assert _activation_units(*_simulate("gpipe", p, m)) == pytest.approx(m, rel=0.05)
-    assert _activation_units(*_simulate("1f1b", p, m)) == pytest.approx(p, rel=0.05)
+    for recipe, units in (("gpipe", m), ("1f1b", p)):
+        plan, result = _simulate(recipe, p, m, post_budget=0)
+        unit = plan.dag.regions["0"].activation_bytes // plan.microbatches
+        (grad,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "RECV" and 0 in n.devices}
+        extra = result.peak_transient_bytes[0] - units * unit
+        assert 0 <= extra <= (POST_AHEAD + 1) * grad, recipe
+
+
+def test_receives_within_the_budget_hold_their_buffers_from_step_start():
+    """Rank 0 of GPipe posts every gradient receive at step start when they fit the budget, so
+    its peak (the first backward) holds all m of them next to m activations; ``POST_AHEAD``
+    deep, two plus the one its first backward posts."""
+    p, m = 4, 8
+    plan, deep = _simulate("gpipe", p, m)
+    _, shallow = _simulate("gpipe", p, m, post_budget=0)
+    unit = plan.dag.regions["0"].activation_bytes // plan.microbatches
+    (grad,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "RECV" and 0 in n.devices}
+    assert m * grad <= POST_BUDGET
+    assert deep.peak_transient_bytes[0] == m * unit + m * grad
+    assert shallow.peak_transient_bytes[0] == m * unit + (POST_AHEAD + 1) * grad
 
 
 def test_zero_levels_shrink_static_memory():

@@ -96,6 +96,22 @@ def test_posted_streams_run_on_no_thread_of_their_own():
     assert {s for s, *_ in runner.timeline} == {"compute", "recv", "send"}
 
 
+def test_receives_that_fit_the_byte_budget_are_posted_at_once():
+    """With sizes, the posting budget lets every small receive go out at step start; a
+    receive past ``post_ahead`` that does not fit waits until a consumer completes one."""
+    sizes = {"r0": 10, "r1": 10, "r2": 10}
+    for budget, expected in ((30, ["r0", "r1", "r2", "c0"]), (25, ["r0", "r1", "c0", "r2"])):
+        seq: list[str] = []
+
+        def execute(key: str):
+            seq.append(key)
+            return (lambda seconds, key=key: seq.append("c" + key[1:])) if key.startswith("r") else None
+
+        StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
+                     post_budget=budget, sizes=sizes).run_step()
+        assert seq[:4] == expected, (budget, seq)
+
+
 def test_a_failed_completion_names_the_receive():
     def execute(key: str):
         if key == "r1":

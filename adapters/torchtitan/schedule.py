@@ -92,7 +92,9 @@ class PiperPipelineSchedule:
             self._state.meter.track_saved = False
             self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
                                         inline=compute_stream(self.plan, self.rank),
-                                        posted=posted_streams(self.plan, self.rank))
+                                        posted=posted_streams(self.plan, self.rank),
+                                        sizes={k: self.plan.dag.nodes[k].bytes
+                                               for k in self.plan.ranks[self.rank].tasks()})
         return self._state
 
     def _execute(self, key: str):

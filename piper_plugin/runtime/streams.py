@@ -9,10 +9,11 @@ faults and +19% forward time per step on a TorchTitan stage).
 
 A *posted* stream (P2P sends or receives: asynchronous operations) has no thread. Its tasks are
 posted strictly in stream order by whichever thread finishes their last dependency (a SEND goes
-out right after the chunk that made it, with no thread hand-off), receives are posted up to
-``post_ahead`` ahead of their consumers, and ``execute`` returns a *completion* for a task that
-finishes later: the first task that depends on it runs the completion on its own thread (waits
-for the message and delivers it). A thread hand-off per message cost milliseconds of wake-up
+out right after the chunk that made it, with no thread hand-off), receives are posted ahead of
+their consumers as :mod:`piper_plugin.scheduler.posting` says (``post_ahead`` deep, deeper
+while their buffers fit in ``post_budget`` bytes; without ``sizes``, ``post_ahead`` deep), and
+``execute`` returns a *completion* for a task that finishes later: the first task that depends
+on it runs the completion on its own thread (waits for the message and delivers it). A thread hand-off per message cost milliseconds of wake-up
 latency on a loaded CPU; posting keeps the overlap (the transport moves the bytes) without it.
 
 Every other stream (blocking collectives) gets a helper thread. A task waits only for its
@@ -28,12 +29,12 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Callable, Collection
+from typing import Callable, Collection, Mapping
 
 import torch
 
-from piper_plugin.ir.nodes import P2P
 from piper_plugin.scheduler.plan import Plan, RankPlan
+from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET, posted_streams
 
 __all__ = ["StreamRunner", "TaskFailed", "compute_stream", "posted_streams"]
 
@@ -44,12 +45,6 @@ def compute_stream(plan: Plan, rank: int) -> str | None:
     """The stream of ``rank`` with the most compute tasks (the one the caller's thread runs)."""
     streams = plan.ranks[rank].streams
     return max(streams, key=lambda s: sum(plan.dag.nodes[k].is_compute for k in streams[s]), default=None)
-
-
-def posted_streams(plan: Plan, rank: int) -> set[str]:
-    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded."""
-    return {s for s, keys in plan.ranks[rank].streams.items()
-            if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)}
 
 
 class TaskFailed(RuntimeError):
@@ -63,7 +58,8 @@ class TaskFailed(RuntimeError):
 class StreamRunner:
     def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], Completion | None], timeout_s: float,
                  describe: Callable[[str], str] = lambda key: "", device: torch.device = torch.device("cpu"),
-                 inline: str | None = None, posted: Collection[str] = (), post_ahead: int = 2):
+                 inline: str | None = None, posted: Collection[str] = (), post_ahead: int = POST_AHEAD,
+                 post_budget: int = POST_BUDGET, sizes: Mapping[str, int] | None = None):
         self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
         self.describe, self.device = describe, device
         self.stream_of = {k: s for s, keys in plan.streams.items() for k in keys}
@@ -77,6 +73,8 @@ class StreamRunner:
         self.inline = inline if inline in plan.streams else None  # runs on the caller's thread
         self.posted = {s for s in posted if s in plan.streams and s != self.inline}
         self.post_ahead = max(1, post_ahead)
+        self.post_budget = post_budget if sizes is not None else -1  # no sizes: count only
+        self.sizes = {k: (sizes or {}).get(k, 0) for s in self.posted for k in plan.streams[s]}  # buffer bytes
         # tasks that get a per-step event: waited for across streams, or posted (waited for when forced)
         self.evented = self.crossed | {k for s in self.posted for k in plan.streams[s]}
 
@@ -99,6 +97,7 @@ class _Step:
         # posted streams: next index to post, completions not yet run, one lock per stream
         self.next = {s: 0 for s in runner.posted}
         self.outstanding = {s: 0 for s in runner.posted}
+        self.outstanding_bytes = {s: 0 for s in runner.posted}
         self.locks = {s: threading.Lock() for s in runner.posted}
         self.pending: dict[str, tuple[threading.Lock, list]] = {}
         self.threads_per_op = torch.get_num_threads()
@@ -159,13 +158,15 @@ class _Step:
             self.timeline.append((stream, key, start, time.perf_counter()))
         with self.locks[stream]:
             self.outstanding[stream] -= 1
+            self.outstanding_bytes[stream] -= self.r.sizes[key]
         self.post(stream)
 
     # -- posted streams ----------------------------------------------------------------------
     def post(self, stream: str, upto: str | None = None, waiter: tuple[str, str] | None = None) -> None:
         """Post ``stream``'s tasks in order: those whose dependencies are done and, without
-        ``upto``, while fewer than ``post_ahead`` completions are outstanding; with ``upto``,
-        every task up to it, waiting for their dependencies (on ``waiter``'s behalf)."""
+        ``upto``, while fewer than ``post_ahead`` completions are outstanding or their bytes
+        fit in ``post_budget``; with ``upto``, every task up to it, waiting for their
+        dependencies (on ``waiter``'s behalf)."""
         keys = self.r.plan.streams[stream]
         target = self.r.position[upto] + 1 if upto is not None else len(keys)
         while True:
@@ -173,7 +174,8 @@ class _Step:
             with self.locks[stream]:
                 while self.next[stream] < target:
                     key = keys[self.next[stream]]
-                    if upto is None and self.outstanding[stream] >= self.r.post_ahead:
+                    if (upto is None and self.outstanding[stream] >= self.r.post_ahead
+                            and self.outstanding_bytes[stream] + self.r.sizes[key] > self.r.post_budget):
                         break
                     blocker = next((d for d in self.r.cross[key] if not self.done[d].is_set()
                                     or self._incomplete(d)), None)
@@ -207,6 +209,7 @@ class _Step:
         if completion is not None:
             self.pending[key] = (threading.Lock(), [completion, start])
             self.outstanding[stream] += 1
+            self.outstanding_bytes[stream] += self.r.sizes[key]
         else:
             self.timeline.append((stream, key, start, time.perf_counter()))
         self.signal(key)
@@ -271,6 +274,14 @@ class _Step:
                    for item in r.plan.streams.items() if item[0] != r.inline and item[0] not in r.posted]
         for t in threads:
             t.start()
+        for stream in sorted(r.posted):  # receives go out at step start, as far as the policy allows
+            if self.abort.is_set():
+                break
+            try:
+                self.post(stream)
+            except BaseException as exc:  # noqa: BLE001 - reported with its traceback
+                self.failure.append(self.failed("", stream, exc))
+                self.abort.set()
         if r.inline is not None:  # its waits watch the deadline and the other streams' failures
             self.run_stream(r.inline, r.plan.streams[r.inline], drain=True)
         elif r.posted:

@@ -53,7 +53,8 @@ class Worker:
         self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s,
                              self.device)
         self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device,
-                                   inline=compute_stream(plan, rank), posted=posted_streams(plan, rank))
+                                   inline=compute_stream(plan, rank), posted=posted_streams(plan, rank),
+                                   sizes={k: plan.dag.nodes[k].bytes for k in plan.ranks[rank].tasks()})
         self.loss_group = self._loss_group(program)
         self.step_index = 0
         gc.collect()

@@ -20,6 +20,7 @@ from piper_plugin.ir.graph import gc_paused
 from piper_plugin.ir.nodes import COLLECTIVES, Kind
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
+from piper_plugin.scheduler.posting import POST_BUDGET, post_times, posted_streams
 
 __all__ = ["simulate", "SimResult", "DeadlockError", "static_memory"]
 
@@ -78,12 +79,13 @@ def static_memory(plan: Plan) -> list[dict[str, int]]:
     return out
 
 
-def simulate(plan: Plan, cost: CostModel | None = None) -> SimResult:
+def simulate(plan: Plan, cost: CostModel | None = None, post_budget: int = POST_BUDGET) -> SimResult:
+    """``post_budget``: the runtime's receive-posting budget (:mod:`.posting`), for memory."""
     with gc_paused():
-        return _simulate(plan, cost)
+        return _simulate(plan, cost, post_budget)
 
 
-def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
+def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult:
     cost = cost or CostModel()
     dag, grid = plan.dag, plan.grid
     nodes = dag.nodes
@@ -111,7 +113,7 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
     timeline = []
-    memory = _Memory(plan, shards)
+    memory = _Memory(plan, shards, post_budget)
     on_task = memory.on_task
     placement = dag.meta.get("placement", {})
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
@@ -231,11 +233,12 @@ def _simulate(plan: Plan, cost: CostModel | None) -> SimResult:
 
 
 class _Memory:
-    """Transient memory per rank: a buffer is allocated when its producer starts and freed
-    when its last local consumer finishes."""
+    """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
+    a posted stream: when the posting policy posts it) and freed when its last local consumer
+    finishes."""
 
-    def __init__(self, plan: Plan, shards: int):
-        self.plan, self.shards = plan, shards
+    def __init__(self, plan: Plan, shards: int, post_budget: int):
+        self.plan, self.shards, self.post_budget = plan, shards, post_budget
         world = plan.grid.world_size
         self.events: list[list[tuple[float, int]]] = [[] for _ in range(world)]
         self.waiting: list[dict[str, tuple[int, set[str]]]] = [{} for _ in range(world)]
@@ -245,6 +248,8 @@ class _Memory:
         self.holding = {Kind.F, Kind.ALL_GATHER, Kind.RECV}
         if any(level >= 2 for level in plan.dag.meta.get("replicated", {}).values()):
             self.holding |= {Kind.B, Kind.BW}
+        self.posted = [posted_streams(plan, r) for r in range(world)]
+        self.receives: list[dict[str, list]] = [{} for _ in range(world)]  # posted RECV -> [bytes, first use]
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -255,7 +260,10 @@ class _Memory:
             if held:
                 events = self.events[r]
                 consumers = _consumers(self.plan, r, key)
-                events.append((start, held))
+                if consumers and node.kind == Kind.RECV and node.stream in self.posted[r]:
+                    self.receives[r][key] = [held, float("inf")]  # allocated when posted (peaks)
+                else:
+                    events.append((start, held))
                 if consumers:
                     self.waiting[r][key] = (held, set(consumers))
                     released_by = self.released_by[r]
@@ -270,7 +278,10 @@ class _Memory:
         if producers:
             events = self.events[r]
             waiting = self.waiting[r]
+            receives = self.receives[r]
             for producer in producers:
+                if producer in receives and start < receives[producer][1]:
+                    receives[producer][1] = start
                 nbytes, left = waiting[producer]
                 left.discard(key)
                 if not left:
@@ -279,7 +290,11 @@ class _Memory:
 
     def peaks(self) -> list[int]:
         out = []
-        for events in self.events:
+        for r, receives in enumerate(self.receives):
+            events = list(self.events[r])
+            for stream in self.posted[r]:
+                order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
+                events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
             level = peak = 0
             for _, delta in sorted(events):
                 level += delta

@@ -1,0 +1,50 @@
+"""The receive-posting policy the runtime follows and the simulator models.
+
+A logical stream holding only SENDs and RECVs is *posted*: its operations are issued in stream
+order without a thread of their own. A receive is posted ahead of its consumer while fewer than
+``POST_AHEAD`` receives of its stream are outstanding (posted, not yet consumed) *or* the
+buffers of the outstanding ones plus its own fit in ``POST_BUDGET`` bytes. Small messages are
+therefore all posted at step start: a message whose receive is not posted yet costs the sender
+a round trip more. Large ones stay ``POST_AHEAD`` deep, so a 1F1B rank does not hold every
+microbatch's buffer at once. A receive's buffer exists from its post on.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Iterable
+
+from piper_plugin.ir.nodes import P2P
+
+__all__ = ["POST_AHEAD", "POST_BUDGET", "posted_streams", "post_times"]
+
+POST_AHEAD = 2
+POST_BUDGET = 4 << 20  # bytes of receive buffers a posted stream may hold ahead, per rank
+
+
+def posted_streams(plan, rank: int) -> set[str]:
+    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded."""
+    return {s for s, keys in plan.ranks[rank].streams.items()
+            if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)}
+
+
+def post_times(receives: Iterable[tuple[str, int, float]], ahead: int = POST_AHEAD,
+               budget: int = POST_BUDGET) -> dict[str, float]:
+    """When each receive of one posted stream is posted, given ``(key, bytes, first use)`` in
+    stream order (first use: when its first consumer starts, which completes it). A receive
+    is posted once the one before it is and the policy allows it, and at the latest when it is
+    first used (a consumer that needs it posts it)."""
+    out: dict[str, float] = {}
+    live: list[tuple[float, int]] = []  # (first use, bytes) of posted, not yet consumed receives
+    live_bytes, t = 0, 0.0
+    for key, nbytes, use in receives:
+        while True:
+            while live and live[0][0] <= t:
+                live_bytes -= heapq.heappop(live)[1]
+            if len(live) < ahead or live_bytes + nbytes <= budget or live[0][0] >= use:
+                break
+            t = live[0][0]  # the next consumption makes room
+        t = min(t, use)
+        out[key] = t
+        heapq.heappush(live, (use, nbytes))
+        live_bytes += nbytes
+    return out
