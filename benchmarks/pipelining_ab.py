@@ -141,6 +141,15 @@ def run_alternating(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str) -> 
     return {engine: {rank: r[engine] for rank, r in per_rank.items()} for engine in ("piper", "torch")}
 
 
+def cycle_ratios(piper: list[float], torch_: list[float], warmup: int) -> list[float]:
+    """Piper / torch time of each complete alternation cycle: :data:`ALTERNATION` runs each
+    engine twice per cycle, so an engine's steps ``2i`` and ``2i + 1`` (counted with the
+    ``warmup`` steps already dropped) share one."""
+    first = warmup % 2  # an odd warm-up leaves the first measured step alone in its cycle
+    return [(piper[i] + piper[i + 1]) / (torch_[i] + torch_[i + 1])
+            for i in range(first, min(len(piper), len(torch_)) - 1, 2)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pipelining_ab", description=__doc__.split("\n")[0])
     p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
@@ -199,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         foreign: dict[str, list[float | None]] = {"piper": [], "torch": []}
         quiet: dict[str, list[float]] = {"piper": [], "torch": []}  # steps of runs with little other load
         quiet_runs: dict[str, int] = {"piper": 0, "torch": 0}
+        cycles: list[float] = []
         loss: dict[str, float | None] = {}
         for r in range(args.rounds):
             if args.quiet_wait > 0:
@@ -207,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 both = run_alternating(cfg, args, recipe)
                 for results in both.values():
                     load.add_own(results)
+            cycles += cycle_ratios(slowest_rank_times(both["piper"]), slowest_rank_times(both["torch"]),
+                                   args.warmup)
             for engine, results in both.items():
                 step_times, cpu_times = slowest_rank_times(results), total_cpu_times(results)
                 times[engine] += step_times
@@ -224,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         summary[recipe] = {"piper_s": piper_s, "torch_s": torch_s, "ratio": piper_s / torch_s,
                            "piper_min_s": min(times["piper"]), "torch_min_s": min(times["torch"]),
                            "ratio_min": min(times["piper"]) / min(times["torch"]),
+                           "cycle_ratio": median(cycles) if cycles else float("nan"), "cycles": len(cycles),
                            "piper_cpu_s": median(cpu["piper"]), "torch_cpu_s": median(cpu["torch"]),
                            "piper_quiet_s": median(quiet["piper"]), "torch_quiet_s": median(quiet["torch"]),
                            "quiet_runs": (quiet_runs["piper"], quiet_runs["torch"]),
@@ -231,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                            "piper_load": _load(foreign["piper"]), "torch_load": _load(foreign["torch"]),
                            "piper_loss": loss["piper"], "torch_loss": loss["torch"]}
     rows = [[recipe, SCHEDULES[recipe][0], fmt_ms(s["piper_s"]), fmt_ms(s["torch_s"]), f"**{s['ratio']:.3f}**",
+             f"{s['cycle_ratio']:.3f} ({s['cycles']})",
              fmt_ms(s["piper_min_s"]), fmt_ms(s["torch_min_s"]), f"{s['ratio_min']:.3f}",
              f"{fmt_ms(s['piper_cpu_s'])} / {fmt_ms(s['torch_cpu_s'])}", _quiet_cell(s),
              " / ".join(fmt_ms(t) for t in s["piper_rounds"]), " / ".join(fmt_ms(t) for t in s["torch_rounds"]),
@@ -238,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
              f"{s['piper_loss']:.6f}", f"{s['torch_loss']:.6f}", f"{abs(s['piper_loss'] - s['torch_loss']):.1e}"]
             for recipe, s in summary.items()]
     table = markdown_table(["schedule", "torch class", "Piper median ms", "torch median ms", "ratio Piper/torch",
+                            "cycle ratio (cycles)",
                             "Piper best ms", "torch best ms", "ratio of bests",
                             "CPU ms/step, all ranks (Piper / torch)",
                             f"quiet runs only (other load < {args.quiet_below} cores): Piper / torch ms (runs), ratio",
@@ -255,10 +270,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
              ["torch `stage_backward_input` + `stage_backward_weight`", fmt_ms(split["torch"]),
               f"{split['torch'] / split['full']:.2f}"]])
         print(split_table)
-        split_text = ["## Cost of a split backward (one cause of the DualPipeV gap)", "",
-                      "Piper's `dualpipev` recipe splits every backward into BI + BW (`split_backward=True`), also the "
-                      "full backwards of DualPipeV's main loop; torch's ScheduleDualPipeV runs those as one backward "
-                      "and splits only where the schedule needs it. Measured in this process (1 thread):", "",
+        split_text = ["## Cost of a split backward", "",
+                      "Piper's `dualpipev` recipe splits backwards into BI + BW (`split_backward=True`); a BI followed "
+                      "directly by its own BW runs as one full backward, so only the backwards the schedule separates "
+                      "pay the split, as in torch's ScheduleDualPipeV. Measured in this process (1 thread):", "",
                       split_table, ""]
     with torch.device("meta"):
         params = sum(p.numel() for p in ToyLM(cfg).parameters())
@@ -273,7 +288,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         f"{', '.join(ALTERNATION)}, ... until each engine ran {args.warmup} warm-up + {args.steps} timed steps; "
         f"{args.rounds} rounds. Neighbouring steps of the two engines see the same machine, which separate runs "
         f"here do not (their medians drifted by up to 30% from run to run). Step time = slowest rank, from a barrier to the end of the optimizer step. "
-        f"Medians and bests over all timed steps of all rounds. 'CPU ms/step' = median over steps of the CPU time "
+        f"Medians and bests over all timed steps of all rounds. Cycle ratio: median over the "
+        f"{'-'.join(ALTERNATION)} cycles of Piper's two steps over torch's two, each pair from one stretch of "
+        f"machine time. 'CPU ms/step' = median over steps of the CPU time "
         f"of all rank processes together (every thread): the work each engine does, which contention from other "
         f"processes changes far less than wall time. 'Other load' = cores that processes outside "
         f"this benchmark kept busy during the runs (machine CPU time from /proc/stat minus this benchmark's), "

@@ -48,6 +48,12 @@ def test_pipelining_ab_smoke(tmp_path, capsys):
         assert abs(s["piper_loss"] - s["torch_loss"]) <= 1e-5 * abs(s["torch_loss"]), recipe
 
 
+def test_pipelining_ab_pairs_steps_by_alternation_cycle():
+    # each engine runs twice per cycle: steps (0, 1), (2, 3) pair up; an odd warm-up shifts them
+    assert pipelining_ab.cycle_ratios([1, 1, 3, 1, 9], [2, 2, 2, 2, 9], warmup=0) == [0.5, 1.0]
+    assert pipelining_ab.cycle_ratios([5, 1, 1, 3, 1], [9, 2, 2, 2, 2], warmup=1) == [0.5, 1.0]
+
+
 def test_task_overhead_smoke(tmp_path, capsys):
     out = tmp_path / "overhead.md"
     rows = task_overhead.main(["--microbatches", "4", "--warmup", "1", "--steps", "2",
