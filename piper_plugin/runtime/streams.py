@@ -13,8 +13,9 @@ out right after the chunk that made it, with no thread hand-off), receives are p
 their consumers as :mod:`piper_plugin.scheduler.posting` says (``post_ahead`` deep, deeper
 while their buffers fit in ``post_budget`` bytes; without ``sizes``, ``post_ahead`` deep), and
 ``execute`` returns a *completion* for a task that finishes later: the first task that depends
-on it runs the completion on its own thread (waits for the message and delivers it). A thread hand-off per message cost milliseconds of wake-up
-latency on a loaded CPU; posting keeps the overlap (the transport moves the bytes) without it.
+on it runs the completion on its own thread (waits for the message and delivers it). A thread
+hand-off per message cost milliseconds of wake-up latency on a loaded CPU; posting keeps the
+overlap (the transport moves the bytes) without it.
 
 Every other stream (blocking collectives) gets a helper thread. A task waits only for its
 dependencies on *other* streams (same-stream order is the list order); torch ops and gloo

@@ -3,10 +3,10 @@
 A logical stream holding only SENDs and RECVs is *posted*: its operations are issued in stream
 order without a thread of their own. A receive is posted ahead of its consumer while fewer than
 ``POST_AHEAD`` receives of its stream are outstanding (posted, not yet consumed) *or* the
-buffers of the outstanding ones plus its own fit in ``POST_BUDGET`` bytes. Small messages are
-therefore all posted at step start: a message whose receive is not posted yet costs the sender
-a round trip more. Large ones stay ``POST_AHEAD`` deep, so a 1F1B rank does not hold every
-microbatch's buffer at once. A receive's buffer exists from its post on.
+buffers of the outstanding ones plus its own fit in ``POST_BUDGET`` bytes. Small messages
+therefore go out at step start, as many as fit: a message whose receive is not posted yet
+waits a round trip more. Large ones stay ``POST_AHEAD`` deep, so a 1F1B rank does not hold
+every microbatch's buffer at once. A receive's buffer exists from its post on.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ can start, the plan would deadlock and :class:`DeadlockError` names the blocked 
 
 Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
 plus the peak of activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a
-reduce-scatter and received buffers, each held until its last local consumer finishes.
+reduce-scatter and received buffers (from their post, :mod:`.posting`), each held until its last
+local consumer finishes.
 """
 from __future__ import annotations
 
