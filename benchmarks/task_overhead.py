@@ -172,12 +172,12 @@ def _replay_step(worker, order: list[str]) -> None:
         if node.kind in (Kind.SEND, Kind.RECV):
             peer = grid.peer(worker.rank, dag.meta["placement"][dag.nodes[node.peer].region])
             group = comm.groups[(node.stream, tuple(sorted((worker.rank, peer))))]
-            names = sorted(v for vs in dag.data_pred[key].values() for v in vs)
+            names, other = sorted(v for vs in dag.data_pred[key].values() for v in vs), comm.process_rank[peer]
             if node.kind == Kind.SEND:
-                sends += [dist.isend(values[v].contiguous(), dst=peer, group=group) for v in names]
+                sends += [dist.isend(values[v].contiguous(), dst=other, group=group) for v in names]
             else:
                 out = {v: comm.specs[v.removeprefix("grad:")].empty(worker.device) for v in names}
-                receiving[key] = ([dist.irecv(t, src=peer, group=group) for t in out.values()], out)
+                receiving[key] = ([dist.irecv(t, src=other, group=group) for t in out.values()], out)
             continue
         for dep in deps[key]:
             if dep in receiving:
