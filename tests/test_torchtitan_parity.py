@@ -39,14 +39,14 @@ def _assert_parity(torch_run, piper_run):
 
 
 def test_llama3_1f1b_piper_matches_torch_for_10_steps(tmp_path):
-    torch_run, piper_run = _pair(tmp_path, "llama3_debugmodel_pp2_1f1b", STEPS, ["--training.seq_len", "128"])
+    torch_run, piper_run = _pair(tmp_path, "llama3_debugmodel_pp2_1f1b", STEPS, ["--training.seq_len", "32"])
     _assert_parity(torch_run, piper_run)
     assert piper_run.losses[10] < piper_run.losses[1] - 0.5  # it trains
     assert "Piper: recipe 1f1b, 2 stages on 2 ranks, 4 microbatches" in piper_run.log
     # pipeline_engine=alternate hands the same modules and optimizer from one engine to the other
     # every step or two (torch, piper, piper, torch, ...): one trajectory, equal to either engine's
     mixed = run_titan("llama3_debugmodel_pp2_1f1b", "alternate", dump_folder=tmp_path / "alternate", steps=STEPS,
-                      extra=[*SEED, "--training.seq_len", "128"], timeout_s=600)
+                      extra=[*SEED, "--training.seq_len", "32"], timeout_s=600)
     assert mixed.ok, mixed.tail()
     for step in (1, 2, 4, 5, 10):
         engine = "torch" if step % 4 in (0, 1) else "piper"
