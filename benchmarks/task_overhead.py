@@ -164,15 +164,14 @@ def _bare(worker, repeats: int) -> float:
 def _replay_step(worker, order: list[str]) -> None:
     """One step of this rank's tasks in ``order`` with raw torch.distributed and bare chunks."""
     state, plan, comm = worker.state, worker.plan, worker.comm
-    dag, grid, deps = plan.dag, plan.grid, plan.ranks[worker.rank].deps
+    dag, deps = plan.dag, plan.ranks[worker.rank].deps
     receiving: dict[str, tuple[list, dict[str, torch.Tensor]]] = {}
     sends, saved, values = [], {}, {}
     for key in order:
         node = dag.nodes[key]
         if node.kind in (Kind.SEND, Kind.RECV):
-            peer = grid.peer(worker.rank, dag.meta["placement"][dag.nodes[node.peer].region])
-            group = comm.groups[(node.stream, tuple(sorted((worker.rank, peer))))]
-            names, other = sorted(v for vs in dag.data_pred[key].values() for v in vs), comm.process_rank[peer]
+            other, group = comm.channel(node)
+            names = sorted(v for vs in dag.data_pred[key].values() for v in vs)
             if node.kind == Kind.SEND:
                 sends += [dist.isend(values[v].contiguous(), dst=other, group=group) for v in names]
             else:
@@ -258,7 +257,7 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     tasks = worst["tasks"]
     best_handlers = worst["handlers"][steps.index(best)]  # the slowest rank's, in the best step
     return {"config": name, "load": load.cores, "microbatches": args.microbatches,
-            "tasks": tasks, "kinds": worst["kinds"], "step": step, "best": best, "in_handlers": best_handlers,
+            "tasks": tasks, "kinds": worst["kinds"], "step": step, "best": best,
             "bare": worst["bare"], "overhead": (step - worst["bare"]) / tasks,
             "replay": replay, "replay_best": replay_best, "runtime": (step - replay) / tasks,
             "runtime_best": (best - replay_best) / tasks,

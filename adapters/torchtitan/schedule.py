@@ -27,6 +27,7 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
+from piper_plugin.scheduler.posting import post_sizes
 
 from piper_plugin.adapters.torchtitan.program import LocalStages, StageChunk, StageProgram, hidden_name
 from piper_plugin.adapters.torchtitan.fsdp_sync import fsdp_roots, hold_gradients, reduce_gradients
@@ -93,8 +94,7 @@ class PiperPipelineSchedule:
             self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
                                         inline=compute_stream(self.plan, self.rank),
                                         posted=posted_streams(self.plan, self.rank),
-                                        sizes={k: self.plan.dag.nodes[k].bytes
-                                               for k in self.plan.ranks[self.rank].tasks()})
+                                        sizes=post_sizes(self.plan, self.rank))
         return self._state
 
     def _execute(self, key: str):

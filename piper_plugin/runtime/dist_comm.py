@@ -69,8 +69,11 @@ class DistComm:
             work.wait()
         self.sends.clear()
 
-    def _pair(self, node: Node, peer_rank: int) -> dist.ProcessGroup:
-        return self.groups[(node.stream, tuple(sorted((self.rank, peer_rank))))]
+    def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
+        """The other side of a SEND / RECV: its process rank and the pair's communicator."""
+        dag = self.plan.dag
+        peer = self.plan.grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
+        return self.process_rank[peer], self.groups[(node.stream, tuple(sorted((self.rank, peer))))]
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
         members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)
@@ -80,19 +83,17 @@ class DistComm:
         """Issue ``node``'s operation. SENDs are asynchronous (finished by :meth:`wait_sends`);
         a RECV is posted and returns its completion (wait for the message, then deliver it,
         within the seconds it is given); collectives block."""
-        dag, grid = self.plan.dag, self.plan.grid
+        dag = self.plan.dag
         if node.kind == Kind.SEND:
-            dst = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
-            group = self._pair(node, dst)
+            dst, group = self.channel(node)
             values = comm_ops.payload(state, node)
             for name in sorted(values):
                 if isinstance(values[name], torch.Tensor):
                     tensor = values[name].contiguous()
-                    self.sends.append((dist.isend(tensor, dst=self.process_rank[dst], group=group), tensor))
+                    self.sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
             state.finished(node.key)
         elif node.kind == Kind.RECV:
-            src = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
-            group = self._pair(node, src)
+            src, group = self.channel(node)
             out, works = {}, []
             for name in sorted(v for vs in dag.data_pred[node.key].values() for v in vs):
                 spec = self.specs[name.removeprefix("grad:")]
@@ -100,7 +101,7 @@ class DistComm:
                     out[name] = spec.constant
                     continue
                 out[name] = spec.empty(self.device)
-                works.append(dist.irecv(out[name], src=self.process_rank[src], group=group))
+                works.append(dist.irecv(out[name], src=src, group=group))
             in_flight = sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
             state.meter.add(in_flight)  # the buffers exist from now on
 

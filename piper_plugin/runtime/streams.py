@@ -233,6 +233,9 @@ class _Step:
             previous_stream = torch.cuda.current_stream(self.r.device)
             torch.cuda.set_stream(self.r.cuda_streams[stream])
         try:
+            if drain:  # the caller's stream: receives go out at step start, as far as the policy allows
+                for posted in sorted(self.r.posted):
+                    self.post(posted)
             for key in keys:
                 for dep in self.r.cross[key]:
                     if not self.wait_for(stream, key, dep):
@@ -275,14 +278,6 @@ class _Step:
                    for item in r.plan.streams.items() if item[0] != r.inline and item[0] not in r.posted]
         for t in threads:
             t.start()
-        for stream in sorted(r.posted):  # receives go out at step start, as far as the policy allows
-            if self.abort.is_set():
-                break
-            try:
-                self.post(stream)
-            except BaseException as exc:  # noqa: BLE001 - reported with its traceback
-                self.failure.append(self.failed("", stream, exc))
-                self.abort.set()
         if r.inline is not None:  # its waits watch the deadline and the other streams' failures
             self.run_stream(r.inline, r.plan.streams[r.inline], drain=True)
         elif r.posted:

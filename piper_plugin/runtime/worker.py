@@ -26,6 +26,7 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
+from piper_plugin.scheduler.posting import post_sizes
 
 __all__ = ["Worker"]
 
@@ -54,7 +55,7 @@ class Worker:
                              self.device)
         self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device,
                                    inline=compute_stream(plan, rank), posted=posted_streams(plan, rank),
-                                   sizes={k: plan.dag.nodes[k].bytes for k in plan.ranks[rank].tasks()})
+                                   sizes=post_sizes(plan, rank))
         self.loss_group = self._loss_group(program)
         self.step_index = 0
         gc.collect()

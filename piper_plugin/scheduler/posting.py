@@ -15,7 +15,7 @@ from typing import Iterable
 
 from piper_plugin.ir.nodes import P2P
 
-__all__ = ["POST_AHEAD", "POST_BUDGET", "posted_streams", "post_times"]
+__all__ = ["POST_AHEAD", "POST_BUDGET", "posted_streams", "post_sizes", "post_times"]
 
 POST_AHEAD = 2
 POST_BUDGET = 4 << 20  # bytes of receive buffers a posted stream may hold ahead, per rank
@@ -25,6 +25,11 @@ def posted_streams(plan, rank: int) -> set[str]:
     """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded."""
     return {s for s, keys in plan.ranks[rank].streams.items()
             if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)}
+
+
+def post_sizes(plan, rank: int) -> dict[str, int]:
+    """Bytes of each task on ``rank``'s posted streams (what the budget counts)."""
+    return {k: plan.dag.nodes[k].bytes for s in posted_streams(plan, rank) for k in plan.ranks[rank].streams[s]}
 
 
 def post_times(receives: Iterable[tuple[str, int, float]], ahead: int = POST_AHEAD,
