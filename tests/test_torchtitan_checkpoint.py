@@ -1,4 +1,4 @@
-"""TorchTitan checkpointing with ``--parallelism.pipeline_engine=piper`` (torchrun, 2 gloo ranks, CPU).
+"""TorchTitan checkpointing with ``--parallelism.pipeline_engine=piper`` (2 gloo ranks, CPU; forked ranks, :mod:`titan_fork`).
 
 An uninterrupted 10-step run saves a DCP checkpoint every 5 steps. A second run whose checkpoint
 folder holds only that run's ``step-5`` (as if the first had stopped there) resumes from it and
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from piper_plugin.adapters.torchtitan.launch import run_titan  # noqa: E402
+from titan_fork import run_titan_forked  # noqa: E402
 
 CONFIG = "llama3_debugmodel_pp2_1f1b"
 FLAGS = ["--debug.seed", "42", "--training.seq_len", "32", "--training.local_batch_size", "4",
@@ -24,7 +24,7 @@ def _close(a: dict, b: dict, rel=1e-4):
 
 
 def test_resume_from_step_5_reproduces_steps_6_to_10(tmp_path):
-    full = run_titan(CONFIG, "piper", dump_folder=tmp_path / "full", steps=10, extra=FLAGS, timeout_s=600)
+    full = run_titan_forked(CONFIG, "piper", dump_folder=tmp_path / "full", steps=10, extra=FLAGS, timeout_s=600)
     assert full.ok, full.tail()
     assert sorted(full.losses) == list(range(1, 11)), full.tail()
     assert "Piper: recipe 1f1b, 2 stages on 2 ranks, 4 microbatches" in full.log, full.tail()
@@ -34,7 +34,7 @@ def test_resume_from_step_5_reproduces_steps_6_to_10(tmp_path):
 
     resume_dir = tmp_path / "resumed"
     shutil.copytree(saved, resume_dir / "checkpoint" / "step-5")
-    resumed = run_titan(CONFIG, "piper", dump_folder=resume_dir, steps=10, extra=FLAGS, timeout_s=600)
+    resumed = run_titan_forked(CONFIG, "piper", dump_folder=resume_dir, steps=10, extra=FLAGS, timeout_s=600)
     assert resumed.ok, resumed.tail()
     print(f"resumed run: {resumed.wall_s:.1f} s")
     assert "Loading the checkpoint from" in resumed.log and "step-5" in resumed.log, resumed.tail()

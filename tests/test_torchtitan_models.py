@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from piper_plugin.adapters.torchtitan import config_registry  # noqa: E402
-from piper_plugin.adapters.torchtitan.launch import run_titan  # noqa: E402
+from titan_fork import run_titan_forked  # noqa: E402
 
 STEPS = 3
 TINY = ["--debug.seed", "42", "--training.seq_len", "32", "--training.local_batch_size", "2"]
@@ -33,7 +33,7 @@ def _close(a: dict, b: dict, rel: float = 1e-4) -> bool:
 def test_piper_matches_torch_for_3_steps(tmp_path, config):
     runs = {}
     for engine in ("torch", "piper"):
-        run = run_titan(f"{config}_pp2_1f1b", engine, dump_folder=tmp_path / engine, steps=STEPS,
+        run = run_titan_forked(f"{config}_pp2_1f1b", engine, dump_folder=tmp_path / engine, steps=STEPS,
                         extra=[*TINY, *SUPPORTED[config]], timeout_s=300)
         assert run.ok, f"{config} {engine} failed (exit {run.returncode}):\n{run.tail()}"
         assert sorted(run.losses) == list(range(1, STEPS + 1)), run.tail()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["TitanRun", "titan_command", "run_titan", "parse_steps"]
+__all__ = ["TitanRun", "titan_args", "titan_command", "run_titan", "parse_steps"]
 
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+(?:e[-+]?\d+)?)\s+grad_norm:\s*([\d.]+(?:e[-+]?\d+)?)"
                    r".*?tps:\s*([\d,]+)")
@@ -55,14 +55,19 @@ def parse_steps(log: str) -> tuple[dict[int, float], dict[int, float], dict[int,
     return losses, norms, tps
 
 
+def titan_args(config: str, engine: str, *, steps: int | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """The arguments after ``-m torchtitan.train``."""
+    args = ["--module", "piper_plugin.adapters.torchtitan", "--config", config,
+            f"--parallelism.pipeline_engine={engine}", "--metrics.disable_color_printing"]
+    if steps is not None:
+        args += ["--training.steps", str(steps)]
+    return args + list(extra)
+
+
 def titan_command(config: str, engine: str, *, nproc: int = 2, steps: int | None = None,
                   extra: Sequence[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", "piper_plugin.adapters.torchtitan", "--config", config,
-           f"--parallelism.pipeline_engine={engine}", "--metrics.disable_color_printing"]
-    if steps is not None:
-        cmd += ["--training.steps", str(steps)]
-    return cmd + list(extra)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "torchtitan.train", *titan_args(config, engine, steps=steps, extra=extra)]
 
 
 def run_titan(config: str, engine: str, *, dump_folder: str | Path, nproc: int = 2, steps: int | None = None,
