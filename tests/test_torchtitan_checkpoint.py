@@ -1,4 +1,5 @@
-"""TorchTitan checkpointing with ``--parallelism.pipeline_engine=piper`` (2 gloo ranks, CPU; forked ranks, :mod:`titan_fork`).
+"""TorchTitan checkpointing with ``--parallelism.pipeline_engine=piper`` (2 gloo ranks, CPU; ranks
+forked by :mod:`titan_fork`).
 
 An uninterrupted 10-step run saves a DCP checkpoint every 5 steps. A second run whose checkpoint
 folder holds only that run's ``step-5`` (as if the first had stopped there) resumes from it and
