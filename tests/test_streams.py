@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from piper_plugin.runtime.streams import StreamRunner, TaskFailed
+from piper_plugin.runtime.streams import Continue, StreamRunner, TaskFailed
 from piper_plugin.scheduler.plan import RankPlan
 
 
@@ -94,6 +94,24 @@ def test_posted_streams_run_on_no_thread_of_their_own():
             assert seq.index(f"r:s{i}") < seq.index(f"r:f{i + 1}")
     assert seq.index("r:r1") < seq.index("r:f0")  # posted ahead of its consumer
     assert {s for s, *_ in runner.timeline} == {"compute", "recv", "send"}
+
+
+def test_a_continued_task_posts_its_sends_before_its_rest_and_after_hooks_follow():
+    """A task returning Continue is done for its dependents first: its SEND goes out, then its
+    rest runs on the same thread before the next task; ``after`` sees the task once both ran."""
+    seq: list[str] = []
+
+    def execute(key: str):
+        seq.append("r:" + key)
+        if key == "f1":
+            return Continue(lambda: seq.append("rest:f1"))
+        return (lambda seconds: None) if key.startswith("r") else None
+
+    runner = StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
+                          after=lambda key: seq.append("after:" + key))
+    runner.run_step()
+    assert seq.index("r:s1") < seq.index("rest:f1") < seq.index("after:f1") < seq.index("r:f2")
+    assert seq.index("after:f0") < seq.index("r:f1")
 
 
 def test_receives_that_fit_the_byte_budget_are_posted_at_once():

@@ -152,7 +152,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, replicas=_replicas(parallel_dims))
+                                     recipe=label, replicas=_replicas(parallel_dims),
+                                     split_last_backward=ac_config is None)
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
                                   training=training, device=device, loss_fn=loss_fn)

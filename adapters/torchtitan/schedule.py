@@ -6,7 +6,7 @@ executor as Piper's Worker. Gradients stay in ``param.grad`` for TorchTitan's cl
 step: the plan's UPDATE nodes run a no-op optimizer, and the loss gradient is 1 because
 TorchTitan's loss already divides by the global number of valid tokens. FSDP-wrapped parts keep
 unsharded, unreduced gradients during the step; each stage reduces them once, right after its
-last backward task on this rank (:mod:`.fsdp_sync`), so B, BI and BW are the core's handlers
+last backward task on this rank has posted its input gradient upstream (:mod:`.fsdp_sync`), so B, BI and BW are the core's handlers
 unchanged and a stage finished early reduces inside the cool-down's idle time, not after the step.
 
 ``eval`` runs forward only, stage by stage in microbatch order (no backward, nothing to
@@ -24,7 +24,7 @@ from piper_plugin.ir.nodes import COMPUTE, Kind
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
+from piper_plugin.runtime.streams import Continue, StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import post_sizes
@@ -57,8 +57,11 @@ class PiperPipelineSchedule:
 
     def __init__(self, *, plan: Plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
-                 replicas: list[list[int]] | None = None):
+                 replicas: list[list[int]] | None = None, split_last_backward: bool = True):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
+        # a rank's last backward may run BI, send, BW (RankState.input_grads_first); not under
+        # activation checkpointing (selective AC allows one backward through a region)
+        self.split_last_backward = split_last_backward
         self.parts = parts
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
@@ -91,27 +94,46 @@ class PiperPipelineSchedule:
             # TorchTitan reports the process's own memory (peak RSS, or the CUDA allocator's):
             # counting saved activations through autograd hooks would only cost time here.
             self._state.meter.track_saved = False
+            if not self.split_last_backward:
+                self._state.input_grads_first = set()
             self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
                                         inline=compute_stream(self.plan, self.rank),
                                         posted=posted_streams(self.plan, self.rank),
-                                        sizes=post_sizes(self.plan, self.rank))
+                                        sizes=post_sizes(self.plan, self.rank), after=self._after)
         return self._state
 
     def _execute(self, key: str):
-        if self._spmd_context is not None:  # TorchTitan's thread-local SPMD meshes (spmd_types backend)
-            with self._spmd_context():
-                return self._execute_node(key)
-        return self._execute_node(key)
+        context = self._spmd_context
+        if context is None:
+            return self._execute_node(key)
+        with context():  # TorchTitan's thread-local SPMD meshes (spmd_types backend)
+            result = self._execute_node(key)
+        if isinstance(result, Continue):  # the rest of the task runs under the same meshes
+            rest = result.rest
+
+            def in_context() -> None:
+                with context():
+                    rest()
+            return Continue(in_context)
+        return result
 
     def _execute_node(self, key: str):
         node = self.plan.dag.nodes[key]
         if node.kind not in COMPUTE:
             return self.comm.run(self._state, node)  # a RECV returns its completion
-        run_compute(self._state, node)
+        return run_compute(self._state, node)  # a B sending its input gradients first returns its rest
+
+    def _after(self, key: str) -> None:
+        """After a task, once the runner posted the sends it enabled (a stage's last backward
+        hands its input gradient upstream first, then reduces): this stage's gradients are
+        final on this rank."""
         stage = self._reduce_after.get(key)
-        if stage is not None:  # this stage's gradients are final on this rank
-            reduce_gradients(self._fsdp[stage])
-        return None
+        if stage is not None:
+            if self._spmd_context is not None:
+                with self._spmd_context():
+                    reduce_gradients(self._fsdp[stage])
+            else:
+                reduce_gradients(self._fsdp[stage])
 
     def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
         m = self.microbatches

@@ -13,6 +13,7 @@ import torch
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.split_backward import backward_input
+from piper_plugin.runtime.streams import Continue
 
 __all__ = ["run_compute"]
 
@@ -89,6 +90,15 @@ def _backward_input(state: RankState, node: Node) -> None:
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
 
 
+def _backward_weight_rest(state: RankState, node: Node) -> None:
+    """The weight-gradient pass of a B that ran its input-gradient pass first (see run_compute)."""
+    key = (node.region, node.microbatch)
+    if key in state.pending_bw:
+        with state.meter.window(node.key):
+            state.pending_bw.pop(key).run()
+            del state.saved[key]
+
+
 def _backward_weight(state: RankState, node: Node) -> None:
     key = (node.region, node.microbatch)
     state.take(node.key)  # BI already read these gradients; drop BW's copies
@@ -118,8 +128,20 @@ def _hand_off_grads(state: RankState, node: Node) -> None:
         state.deliver_to(succ, "grads", state.buckets[(node.region, bucket)].flat_grad(take=True))
 
 
-def run_compute(state: RankState, node: Node) -> None:
+def run_compute(state: RankState, node: Node) -> Continue | None:
+    """Run ``node``. A B in ``state.input_grads_first`` runs its input-gradient pass, delivers
+    those gradients and returns the weight-gradient pass as a :class:`Continue`: the runner
+    posts the sends upstream before the rest runs (same gradients as one full backward)."""
+    if node.key in state.input_grads_first:
+        _backward_input(state, node)
+
+        def rest() -> None:
+            _backward_weight_rest(state, node)
+            _hand_off_grads(state, node)
+            state.finished(node.key)
+        return Continue(rest)
     _HANDLERS[node.kind](state, node)
     if node.kind in (Kind.B, Kind.BW):
         _hand_off_grads(state, node)
     state.finished(node.key)
+    return None

@@ -97,7 +97,9 @@ class ReferenceExecutor:
                     comm_ops.absorb(state, node, mailbox.pop((r, key)))
                     finished = (r,)
                 else:
-                    run_compute(state, node)
+                    continued = run_compute(state, node)
+                    if continued is not None:  # one process: the rest of a split B runs right away
+                        continued.rest()
                     finished = (r,)
                 for m in finished:
                     done.add((m, key))

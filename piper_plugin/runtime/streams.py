@@ -37,9 +37,21 @@ import torch
 from piper_plugin.scheduler.plan import Plan, RankPlan
 from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET, posted_streams
 
-__all__ = ["StreamRunner", "TaskFailed", "compute_stream", "posted_streams"]
+__all__ = ["StreamRunner", "TaskFailed", "Continue", "compute_stream", "posted_streams"]
 
 Completion = Callable[[float], None]  # called with the seconds left before the step's deadline
+
+
+class Continue:
+    """What a task on a threaded stream returns to finish in two parts: the runner marks the
+    task done, posts the messages that enabled, then calls ``rest`` on the same thread before
+    the stream's next task. Only for a task whose dependents on other streams need nothing
+    ``rest`` makes (e.g. a backward's weight-gradient pass after its input gradients left)."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self, rest: Callable[[], None]):
+        self.rest = rest
 
 
 def compute_stream(plan: Plan, rank: int) -> str | None:
@@ -60,8 +72,10 @@ class StreamRunner:
     def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], Completion | None], timeout_s: float,
                  describe: Callable[[str], str] = lambda key: "", device: torch.device = torch.device("cpu"),
                  inline: str | None = None, posted: Collection[str] = (), post_ahead: int = POST_AHEAD,
-                 post_budget: int = POST_BUDGET, sizes: Mapping[str, int] | None = None):
+                 post_budget: int = POST_BUDGET, sizes: Mapping[str, int] | None = None,
+                 after: Callable[[str], None] | None = None):
         self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
+        self.after = after  # runs after a threaded task, once the messages it enabled are posted
         self.describe, self.device = describe, device
         self.stream_of = {k: s for s, keys in plan.streams.items() for k in keys}
         self.position = {k: i for keys in plan.streams.values() for i, k in enumerate(keys)}
@@ -246,12 +260,19 @@ class _Step:
                 self.heads[stream] = ("run", key)
                 start = time.perf_counter()
                 completion = self.r.execute(key)
+                rest = None
+                if isinstance(completion, Continue):
+                    rest, completion = completion.rest, None
                 if completion is not None:  # a posting op on a threaded stream: finish it here
                     completion(max(self.deadline - time.monotonic(), 0.001))
-                self.timeline.append((stream, key, start, time.perf_counter()))
                 self.signal(key)
                 for posted in self.r.posted:  # e.g. a SEND goes out right after the chunk that made it
                     self.post(posted)
+                if rest is not None:
+                    rest()
+                self.timeline.append((stream, key, start, time.perf_counter()))
+                if self.r.after is not None:  # host work that must not delay those messages
+                    self.r.after(key)
             if drain:  # the caller posts and completes what is left
                 self.drain()
             self.heads[stream] = ("done",)
