@@ -6,15 +6,16 @@ executor as Piper's Worker. Gradients stay in ``param.grad`` for TorchTitan's cl
 step: the plan's UPDATE nodes run a no-op optimizer, and the loss gradient is 1 because
 TorchTitan's loss already divides by the global number of valid tokens. FSDP-wrapped parts keep
 unsharded, unreduced gradients during the step; each stage reduces them once, right after its
-last backward task on this rank has posted its input gradient upstream (:mod:`.fsdp_sync`), so B, BI and BW are the core's handlers
-unchanged and a stage finished early reduces inside the cool-down's idle time, not after the step.
+last backward task on this rank, once that task's input gradient went upstream (:mod:`.fsdp_sync`),
+so B, BI and BW are the core's handlers unchanged and a stage finished early reduces inside the
+cool-down's idle time, not after the step.
 
 ``eval`` runs forward only, stage by stage in microbatch order (no backward, nothing to
 schedule), with blocking P2P of the hidden states.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -102,19 +103,18 @@ class PiperPipelineSchedule:
                                         sizes=post_sizes(self.plan, self.rank), after=self._after)
         return self._state
 
-    def _execute(self, key: str):
-        context = self._spmd_context
-        if context is None:
-            return self._execute_node(key)
-        with context():  # TorchTitan's thread-local SPMD meshes (spmd_types backend)
-            result = self._execute_node(key)
-        if isinstance(result, Continue):  # the rest of the task runs under the same meshes
-            rest = result.rest
+    def _in_meshes(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` under the caller's TorchTitan SPMD meshes (thread-local, spmd_types backend)."""
+        if self._spmd_context is None:
+            return fn()
+        with self._spmd_context():
+            return fn()
 
-            def in_context() -> None:
-                with context():
-                    rest()
-            return Continue(in_context)
+    def _execute(self, key: str):
+        result = self._in_meshes(lambda: self._execute_node(key))
+        if isinstance(result, Continue) and self._spmd_context is not None:
+            rest = result.rest
+            return Continue(lambda: self._in_meshes(rest))
         return result
 
     def _execute_node(self, key: str):
@@ -129,11 +129,7 @@ class PiperPipelineSchedule:
         final on this rank."""
         stage = self._reduce_after.get(key)
         if stage is not None:
-            if self._spmd_context is not None:
-                with self._spmd_context():
-                    reduce_gradients(self._fsdp[stage])
-            else:
-                reduce_gradients(self._fsdp[stage])
+            self._in_meshes(lambda: reduce_gradients(self._fsdp[stage]))
 
     def _inputs(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs) -> dict[str, list[Any]]:
         m = self.microbatches

@@ -13,7 +13,10 @@ out right after the chunk that made it, with no thread hand-off), receives are p
 their consumers as :mod:`piper_plugin.scheduler.posting` says (``post_ahead`` deep, deeper
 while their buffers fit in ``post_budget`` bytes; without ``sizes``, ``post_ahead`` deep), and
 ``execute`` returns a *completion* for a task that finishes later: the first task that depends
-on it runs the completion on its own thread (waits for the message and delivers it). A thread
+on it runs the completion on its own thread (waits for the message and delivers it). A task on a
+threaded stream may instead return a :class:`Continue`: it counts as done, its messages go out,
+then its rest runs before the stream's next task; ``after`` runs host work after each task once
+its messages are out. A thread
 hand-off per message cost milliseconds of wake-up latency on a loaded CPU; posting keeps the
 overlap (the transport moves the bytes) without it.
 
@@ -265,12 +268,14 @@ class _Step:
                     rest, completion = completion.rest, None
                 if completion is not None:  # a posting op on a threaded stream: finish it here
                     completion(max(self.deadline - time.monotonic(), 0.001))
+                if rest is None:
+                    self.timeline.append((stream, key, start, time.perf_counter()))
                 self.signal(key)
                 for posted in self.r.posted:  # e.g. a SEND goes out right after the chunk that made it
                     self.post(posted)
-                if rest is not None:
+                if rest is not None:  # the task's second part, after the messages its first enabled
                     rest()
-                self.timeline.append((stream, key, start, time.perf_counter()))
+                    self.timeline.append((stream, key, start, time.perf_counter()))
                 if self.r.after is not None:  # host work that must not delay those messages
                     self.r.after(key)
             if drain:  # the caller posts and completes what is left
