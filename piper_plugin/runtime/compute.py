@@ -90,23 +90,19 @@ def _backward_input(state: RankState, node: Node) -> None:
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
 
 
-def _backward_weight_rest(state: RankState, node: Node) -> None:
-    """The weight-gradient pass of a B that ran its input-gradient pass first (see run_compute)."""
+def _weight_grads(state: RankState, node: Node) -> None:
+    """Run the weight-gradient pass its BI left pending (none: BI ran as one full backward)."""
     key = (node.region, node.microbatch)
-    if key in state.pending_bw:
-        with state.meter.window(node.key):
-            state.pending_bw.pop(key).run()
-            del state.saved[key]
-
-
-def _backward_weight(state: RankState, node: Node) -> None:
-    key = (node.region, node.microbatch)
-    state.take(node.key)  # BI already read these gradients; drop BW's copies
-    if key not in state.pending_bw:  # done by its BI as one full backward
+    if key not in state.pending_bw:
         return
     with state.meter.window(node.key):
         state.pending_bw.pop(key).run()
         del state.saved[key]
+
+
+def _backward_weight(state: RankState, node: Node) -> None:
+    state.take(node.key)  # BI already read these gradients; drop BW's copies
+    _weight_grads(state, node)
 
 
 def _update(state: RankState, node: Node) -> None:
@@ -136,7 +132,7 @@ def run_compute(state: RankState, node: Node) -> Continue | None:
         _backward_input(state, node)
 
         def rest() -> None:
-            _backward_weight_rest(state, node)
+            _weight_grads(state, node)
             _hand_off_grads(state, node)
             state.finished(node.key)
         return Continue(rest)
