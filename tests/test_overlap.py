@@ -3,7 +3,9 @@ measured side by side against the same plan with every task on one stream.
 
 Each variant's best step is compared: other load on a shared host only ever lengthens steps
 (one CI run saw the streamed variant's median at 1.4x its usual), so the best of three rounds
-is what each plan can do; undisturbed, the streamed plan takes about 0.8x the single stream."""
+is what each plan can do; undisturbed, the streamed plan takes about 0.8x the single stream.
+When three rounds do not show it, up to three more run (a clean-clone CI run once saw every
+streamed run of three slowed, best 0.98x); a plan that never overlaps still fails."""
 import functools
 import statistics
 import time
@@ -45,9 +47,11 @@ def _step_times_of(one_stream: bool) -> list[float]:
 
 def test_comm_stream_overlaps_compute():
     streams, single = [], []
-    for _ in range(3):  # alternate A/B
+    for rounds in range(1, 7):  # alternate A/B: three rounds, up to three more while a busy host hides it
         streams += _step_times_of(False)
         single += _step_times_of(True)
+        if rounds >= 3 and min(streams) < 0.95 * min(single):
+            break
     assert min(streams) < 0.95 * min(single), (
         f"own comm stream best {min(streams):.3f}s (median {statistics.median(streams):.3f}s) vs one stream "
         f"best {min(single):.3f}s (median {statistics.median(single):.3f}s)")
