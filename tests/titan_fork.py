@@ -18,25 +18,19 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-from piper_plugin.adapters.torchtitan.launch import TitanRun, parse_steps, titan_args, titan_command
+from piper_plugin.adapters.torchtitan.launch import TitanRun, parse_steps, titan_args, titan_command, train_main
+from piper_plugin.runtime.launch.processes import free_port
 
 FAIL_GRACE_S = 10.0  # after one rank fails, the others get this long to exit before SIGKILL
 
 
 # -- the zygote (its own process) -----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(job: dict, rank: int, port: int) -> None:
     """In the forked child: become rank ``rank`` of ``job`` and exit with the trainer's status."""
     code = 1
@@ -48,12 +42,7 @@ def _rank(job: dict, rank: int, port: int) -> None:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                            "WORLD_SIZE": str(job["nproc"]), "LOCAL_WORLD_SIZE": str(job["nproc"]),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        import torch
-        import torchtitan.train
-
-        torch.set_num_threads(job["threads"])
-        sys.argv = ["torchtitan.train", *job["argv"]]
-        torchtitan.train.main()
+        train_main(job["argv"], threads=job["threads"])
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -72,7 +61,7 @@ def _rank(job: dict, rank: int, port: int) -> None:
 
 def _run_job(job: dict) -> int:
     """Fork the job's ranks and wait: the first non-zero exit status, 124 after the timeout."""
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}

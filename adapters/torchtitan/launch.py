@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["TitanRun", "titan_args", "titan_command", "run_titan", "parse_steps"]
+__all__ = ["TitanRun", "titan_args", "titan_command", "run_titan", "parse_steps", "train_main"]
 
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(-?[\d.]+(?:e[-+]?\d+)?)\s+grad_norm:\s*([\d.]+(?:e[-+]?\d+)?)"
                    r".*?tps:\s*([\d,]+)")
@@ -68,6 +68,17 @@ def titan_command(config: str, engine: str, *, nproc: int = 2, steps: int | None
                   extra: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "torchtitan.train", *titan_args(config, engine, steps=steps, extra=extra)]
+
+
+def train_main(argv: Sequence[str], threads: int = 1) -> None:
+    """In a rank process someone else started: what ``python -m torchtitan.train <argv>`` runs
+    (its ``main()``), with ``threads`` torch threads. Errors and ``SystemExit`` propagate."""
+    import torch
+    from torchtitan.train import main
+
+    torch.set_num_threads(threads)
+    sys.argv = ["torchtitan.train", *argv]
+    main()
 
 
 def run_titan(config: str, engine: str, *, dump_folder: str | Path, nproc: int = 2, steps: int | None = None,

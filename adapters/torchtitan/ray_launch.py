@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from piper_plugin.cli import UsageError, _Parser
+from piper_plugin.adapters.torchtitan.launch import train_main
 
 __all__ = ["add_launch_parser", "run_launch", "launch", "titan_argv", "TitanRank", "PIPER_MODULE"]
 
@@ -217,13 +218,7 @@ class TitanRank:
         self._capture.start()
         result: dict[str, Any] = {"ok": True}
         try:
-            import torch
-
-            torch.set_num_threads(1)
-            sys.argv = ["torchtitan.train", *argv]
-            from torchtitan.train import main
-
-            main()
+            train_main(argv)
         except SystemExit as exc:  # tyro's argument errors exit; --help exits 0
             if exc.code not in (None, 0):
                 result = {"ok": False, "error": f"torchtitan.train exited with status {exc.code}",
