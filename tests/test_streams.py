@@ -130,6 +130,34 @@ def test_receives_that_fit_the_byte_budget_are_posted_at_once():
         assert seq[:4] == expected, (budget, seq)
 
 
+def test_a_first_chunk_that_needs_no_message_runs_before_receives_are_posted():
+    """Posting a step's receives takes time (about 0.1 ms each under gloo): a first chunk that
+    needs none (the first stage's F) runs at once; its SEND goes out before the receives."""
+    streams = {"compute": ["f0", "f1"], "recv": ["r0", "r1"], "send": ["s0", "s1"]}
+    deps = {"f0": (), "f1": ("f0", "r0"), "r0": (), "r1": ("r0",), "s0": ("f0",), "s1": ("s0", "f1")}
+    seq: list[str] = []
+
+    def execute(key: str):
+        seq.append(key)
+        return (lambda seconds: None) if key.startswith("r") else None
+
+    StreamRunner(0, RankPlan(rank=0, streams=streams, deps=deps), execute, timeout_s=10, inline="compute",
+                 posted=["send", "recv"]).run_step()
+    assert seq[:4] == ["f0", "s0", "r0", "r1"], seq
+
+
+def test_a_thread_about_to_wait_posts_receives_first():
+    """A chunk waiting for one message posts every receive the policy allows before it waits."""
+    seq: list[str] = []
+
+    def execute(key: str):
+        seq.append(key)
+        return (lambda seconds, key=key: seq.append("c" + key[1:])) if key.startswith("r") else None
+
+    StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted=["send", "recv"]).run_step()
+    assert seq[:3] == ["r0", "r1", "c0"], seq  # post_ahead 2, no sizes: two deep
+
+
 def test_a_failed_completion_names_the_receive():
     def execute(key: str):
         if key == "r1":

@@ -111,17 +111,13 @@ class PiperPipelineSchedule:
             return fn()
 
     def _execute(self, key: str):
-        result = self._in_meshes(lambda: self._execute_node(key))
+        if self.plan.dag.nodes[key].kind not in COMPUTE:
+            return self.comm.run(self._state, self.plan.dag.nodes[key])  # a RECV returns its completion
+        result = self._in_meshes(lambda: run_compute(self._state, self.plan.dag.nodes[key]))
         if isinstance(result, Continue) and self._spmd_context is not None:
             rest = result.rest
             return Continue(lambda: self._in_meshes(rest))
         return result
-
-    def _execute_node(self, key: str):
-        node = self.plan.dag.nodes[key]
-        if node.kind not in COMPUTE:
-            return self.comm.run(self._state, node)  # a RECV returns its completion
-        return run_compute(self._state, node)  # a B sending its input gradients first returns its rest
 
     def _after(self, key: str) -> None:
         """After a task, once the runner posted the sends it enabled (a stage's last backward

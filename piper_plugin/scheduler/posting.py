@@ -4,8 +4,9 @@ A logical stream holding only SENDs and RECVs is *posted*: its operations are is
 order without a thread of their own. A receive is posted ahead of its consumer while fewer than
 ``POST_AHEAD`` receives of its stream are outstanding (posted, not yet consumed) *or* the
 buffers of the outstanding ones plus its own fit in ``POST_BUDGET`` bytes. Small messages
-therefore go out at step start, as many as fit: a message whose receive is not posted yet
-waits a round trip more. Large ones stay ``POST_AHEAD`` deep, so a 1F1B rank does not hold
+therefore go out early, as many as fit (the runtime starts posting once the rank's first task
+ended or a thread is about to wait; the simulator, from step start): a message whose receive
+is not posted yet waits a round trip more. Large ones stay ``POST_AHEAD`` deep, so a 1F1B rank does not hold
 every microbatch's buffer at once. A receive's buffer exists from its post on.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable
 
-from piper_plugin.ir.nodes import P2P
+from piper_plugin.ir.nodes import P2P, Kind
 
 __all__ = ["POST_AHEAD", "POST_BUDGET", "posted_streams", "post_sizes", "post_times"]
 
@@ -21,10 +22,14 @@ POST_AHEAD = 2
 POST_BUDGET = 4 << 20  # bytes of receive buffers a posted stream may hold ahead, per rank
 
 
-def posted_streams(plan, rank: int) -> set[str]:
-    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded."""
-    return {s for s, keys in plan.ranks[rank].streams.items()
-            if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)}
+def posted_streams(plan, rank: int) -> list[str]:
+    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded.
+    Streams holding sends come first: after a task, its messages go out before more receives
+    are posted."""
+    posted = [s for s, keys in plan.ranks[rank].streams.items()
+              if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)]
+    return sorted(posted, key=lambda s: (not any(plan.dag.nodes[k].kind == Kind.SEND
+                                                 for k in plan.ranks[rank].streams[s]), s))
 
 
 def post_sizes(plan, rank: int) -> dict[str, int]:
