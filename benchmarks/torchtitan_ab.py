@@ -9,9 +9,12 @@ steps see the same machine. The first ``--warmup`` steps are dropped (lazy set-u
 engines). Reported per schedule and engine:
 
 * tokens/s: median over an engine's measured steps (all runs) of TorchTitan's own ``tps``
-  (tokens per second per device), the mean over the two ranks of one step; the ratio is
-  piper / torch. The cycle ratio is the median over complete torch-piper-piper-torch cycles of
-  piper / torch, which cancels a drift inside the run;
+  (tokens per second per device), the mean over the two ranks of one step. The ratio is
+  piper / torch of those medians. The per-run ratios are the same within each run; their
+  median is the figure that does not mix runs: this machine's speed moves by up to a third
+  from one run to the next, so pooled medians of a run at a slow moment and one at a fast
+  moment compare two different mixtures. The cycle ratio is the median over complete
+  torch-piper-piper-torch cycles of piper / torch, which cancels a drift inside the run;
 * peak memory per rank: TorchTitan's ``memory/max_reserved`` metric for each rank and step (read
   from its TensorBoard log, written for every rank), the maximum over an engine's measured steps,
   median over runs. On CUDA that is the caching allocator's reserved peak; on CPU it is the rank
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     extra = ["--debug.seed", "0", "--training.seq_len", str(args.seq), "--training.local_batch_size",
              str(args.batch), "--metrics.log_freq", "1", *TB_FLAGS, *shlex.split(args.extra)]
     # schedule -> engine -> collected figures
-    stats = {s: {"load": [], "loss": None, "wall": [], "cycles": [],
+    stats = {s: {"load": [], "loss": None, "wall": [], "cycles": [], "runs": [],
                  **{e: {"tps": [], "mem": {}} for e in ENGINES}} for s in args.schedules}
     with tempfile.TemporaryDirectory(prefix="titan_ab_") as tmp:
         for r in range(args.rounds):
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                 rate = {k: sum(v) / len(v) for k, v in run.tps.items() if k > args.warmup}
                 for step, tps in sorted(rate.items()):
                     s[engines[step]]["tps"].append(tps)
+                s["runs"].append(median([v for k, v in rate.items() if engines[k] == "piper"])
+                                 / median([v for k, v in rate.items() if engines[k] == "torch"]))
                 s["cycles"] += _cycle_ratios(rate, engines)
                 s["wall"].append(run.wall_s)
                 if load.cores is not None:
@@ -176,6 +181,7 @@ def _summarise(stats) -> dict[str, dict]:
             "torch_tps": median(t["tps"]), "piper_tps": median(p["tps"]),
             "ratio": median(p["tps"]) / median(t["tps"]),
             "cycle_ratio": median(s["cycles"]) if s["cycles"] else None, "cycles": len(s["cycles"]),
+            "run_ratios": list(s["runs"]), "run_ratio": median(s["runs"]),
             "loss": s["loss"],
             "torch_mem": {k: median(v) for k, v in t["mem"].items()},
             "piper_mem": {k: median(v) for k, v in p["mem"].items()},
@@ -197,7 +203,10 @@ def _report(args, parser, extra, stats, summary) -> str:
         mem = " / ".join(f"{(x['piper_mem'].get(k, 0) - x['torch_mem'].get(k, 0)) / 2 ** 20:+.0f}"
                          for k in sorted(x["torch_mem"]))
         s = stats[schedule]
-        ratios.append([schedule, f"**{x['ratio']:.3f}**", cycle, mem, f"{x['loss']:.5f}", f"{median(s['wall']):.1f}",
+        runs = " ".join(f"{r:.3f}" for r in x["run_ratios"])
+        ahead = sum(r >= 1.0 for r in x["run_ratios"])
+        ratios.append([schedule, f"**{x['ratio']:.3f}**", f"**{x['run_ratio']:.3f}** ({runs}; {ahead} of "
+                       f"{len(x['run_ratios'])} at or above 1)", cycle, mem, f"{x['loss']:.5f}", f"{median(s['wall']):.1f}",
                        f"{median(s['load']):.2f}" if s["load"] else "n/a"])
     run_cmd = shlex.join(titan_command(f"{args.model}_pp2_<schedule>", "alternate", steps=args.steps, extra=extra))
     return "\n".join([
@@ -208,12 +217,13 @@ def _report(args, parser, extra, stats, summary) -> str:
         f"{args.rounds} run(s) per schedule; in each the two engines alternate step by step over the same stages "
         f"(torch, piper, piper, torch, ...); the first {args.warmup} steps are dropped. "
         f"tokens/s: TorchTitan's `tps` (per device), mean over ranks per step, median over an engine's measured "
-        f"steps. Cycle ratio: median over complete torch-piper-piper-torch cycles of piper / torch tokens/s (number of "
+        f"steps. Per-run ratios: the same within each run, and their median (runs at different machine speeds are "
+        f"not pooled). Cycle ratio: median over complete torch-piper-piper-torch cycles of piper / torch tokens/s (number of "
         f"cycles in brackets). Peak memory: {memory}, max over an engine's measured steps, median over runs, "
         f"rank 0 / rank 1. Other load: cores kept busy by other processes during the runs (median over runs).", "",
         markdown_table(["schedule", "engine", "median tokens/s", "steps measured", "peak MiB per rank (0 / 1)"], rows),
         "",
-        markdown_table(["schedule", "piper / torch tokens/s", "cycle ratio", "piper - torch peak MiB (rank 0 / 1)",
+        markdown_table(["schedule", "piper / torch tokens/s", "median of per-run ratios (each run)", "cycle ratio", "piper - torch peak MiB (rank 0 / 1)",
                         f"loss at step {args.steps} (run 0)", "median wall s / run", "other load (cores)"], ratios),
         "", machine_line(), "",
     ])

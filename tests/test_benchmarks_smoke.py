@@ -103,4 +103,5 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
     for engine in ("torch", "piper"):  # a measured peak for each of the two ranks
         assert sorted(s[f"{engine}_mem"]) == [0, 1] and all(m > 2 ** 20 for m in s[f"{engine}_mem"].values())
     assert s["cycles"] == 2 and s["cycle_ratio"] > 0  # steps 1-8 hold two torch-piper-piper-torch cycles
+    assert len(s["run_ratios"]) == 1 and s["run_ratio"] == s["run_ratios"][0] > 0
     assert 0 < s["loss"] < 20
