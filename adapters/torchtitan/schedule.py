@@ -111,9 +111,11 @@ class PiperPipelineSchedule:
             return fn()
 
     def _execute(self, key: str):
-        if self.plan.dag.nodes[key].kind not in COMPUTE:
-            return self.comm.run(self._state, self.plan.dag.nodes[key])  # a RECV returns its completion
-        result = self._in_meshes(lambda: run_compute(self._state, self.plan.dag.nodes[key]))
+        node = self.plan.dag.nodes[key]
+        if node.kind not in COMPUTE:  # messages need no mesh
+            return self.comm.run(self._state, node)  # a RECV returns its completion
+        # a B sending its input gradients first returns its rest
+        result = self._in_meshes(lambda: run_compute(self._state, node))
         if isinstance(result, Continue) and self._spmd_context is not None:
             rest = result.rest
             return Continue(lambda: self._in_meshes(rest))
