@@ -8,7 +8,7 @@ from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import build_plan
-from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET
+from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET, posted_streams
 from piper_plugin.scheduler.simulate import simulate
 
 F, B, W = 1.0, 2.0, 1.0  # per pipeline stage of a one-chunk schedule; B is the full backward
@@ -84,6 +84,17 @@ def test_receives_within_the_budget_hold_their_buffers_from_step_start():
     assert m * grad <= POST_BUDGET
     assert deep.peak_transient_bytes[0] == m * unit + m * grad
     assert shallow.peak_transient_bytes[0] == m * unit + (POST_AHEAD + 1) * grad
+
+
+def test_posted_streams_list_send_streams_first():
+    """After a chunk its SEND goes out before more receives are posted (the runner posts the
+    streams in this order); a middle rank of 1F1B has a send and a receive stream each way."""
+    plan, _ = _simulate("1f1b", 4, 8)
+    for rank in range(4):
+        streams = posted_streams(plan, rank)
+        sends = [any(plan.dag.nodes[k].kind.value == "SEND" for k in plan.ranks[rank].streams[s]) for s in streams]
+        assert any(sends) and sends == sorted(sends, reverse=True)  # by name, p2p:0>1 (a receive) came first
+        assert len(streams) == (2 if rank in (0, 3) else 4)
 
 
 def test_zero_levels_shrink_static_memory():
