@@ -256,7 +256,7 @@ def _input_grads_first(plan: Plan, rank: int) -> set[str]:
     region has parameters, and what waits for it on other streams is SENDs alone: the upstream
     rank's last backward waits for exactly that message while this rank has no backward left,
     so splitting this one B (BI, post the sends, BW) starts the upstream cool-down a weight
-    pass earlier. Every other B stays one pass (a split costs ~30% more backward on a CPU).
+    pass earlier. Every other B stays one pass (a split costs 20-30% more backward on a CPU).
     """
     nodes, rank_plan = plan.dag.nodes, plan.ranks[rank]
     stream_of = {k: s for s, keys in rank_plan.streams.items() for k in keys}

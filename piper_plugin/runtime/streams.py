@@ -92,8 +92,8 @@ class StreamRunner:
         self.cuda_streams = {s: torch.cuda.Stream(device) for s in plan.streams} if self.cuda else {}
         self.crossed = {d for deps in self.cross.values() for d in deps}  # tasks that need an event
         self.inline = inline if inline in plan.streams else None  # runs on the caller's thread
-        self.posted = {s for s in posted if s in plan.streams and s != self.inline}
-        self.post_order = [s for s in posted if s in self.posted]  # as given: send streams first
+        self.post_order = [s for s in posted if s in plan.streams and s != self.inline]  # as given: sends first
+        self.posted = set(self.post_order)
         self.post_ahead = max(1, post_ahead)
         self.post_budget = post_budget if sizes is not None else -1  # no sizes: count only
         self.sizes = {k: (sizes or {}).get(k, 0) for s in self.posted for k in plan.streams[s]}  # buffer bytes
