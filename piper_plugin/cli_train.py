@@ -65,7 +65,8 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                        help="seconds without progress before the job is stopped (default: 60)")
     train.add_argument("--metrics", type=Path, metavar="FILE.jsonl",
                        help="write one JSON object per step and rank (step from 0, rank, loss on the "
-                            "ranks holding the loss, step_time_s, tokens_per_s, peak_memory_bytes)")
+                            "ranks holding the loss, step_time_s, tokens_per_s, peak_memory_bytes, "
+                            "transient_peak_bytes)")
     train.add_argument("--trace", type=Path, metavar="DIR",
                        help="write DIR/trace.json (measured last step, Chrome/Perfetto), DIR/timeline.png "
                             "(measured) and DIR/simulated.png")

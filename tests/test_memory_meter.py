@@ -87,3 +87,28 @@ def test_an_untracked_meter_has_no_windows():
     for _ in range(3):
         assert _step(meter, layer) == (0, 0, 0)
     assert calls[0] == 0
+
+
+def test_a_task_with_two_windows_replays_each_once():
+    """A backward split around its sends (input gradients, then weight gradients) opens two
+    windows under one task: the first keeps the graph, the second frees it. Replayed steps
+    must free it once, so every step starts where the first did."""
+    meter, layer = MemoryMeter(), nn.Linear(8, 8)
+    meter.ignore(list(layer.parameters()))
+    calls = _counting(meter)
+    seen = []
+    for _ in range(5):
+        meter.begin_step(SHAPES)
+        start, before = meter.current, calls[0]
+        x = torch.randn(4, 8, requires_grad=True)
+        with meter.window("F0", saves=True):
+            y = layer(torch.tanh(x)).relu().sum()
+        with meter.window("B0"):  # input gradients; the graph stays for the weight gradients
+            torch.autograd.grad(y, x, retain_graph=True)
+        with meter.window("B0"):  # weight gradients; the graph goes
+            y.backward(inputs=list(layer.parameters()))
+            del y
+        seen.append((start, meter.current, meter.peak, calls[0] - before))
+    assert all(hooks == 0 for *_, hooks in seen[2:]), "agreeing steps must be replayed"
+    assert [s[:3] for s in seen] == [seen[0][:3]] * 5, seen
+    assert seen[0][0] == seen[0][1] == 0 and seen[0][2] > 0

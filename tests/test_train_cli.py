@@ -19,7 +19,7 @@ import torch
 
 from piper_plugin.cli import main
 
-KEYS = {"step", "rank", "step_time_s", "tokens_per_s", "peak_memory_bytes"}
+KEYS = {"step", "rank", "step_time_s", "tokens_per_s", "peak_memory_bytes", "transient_peak_bytes"}
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s+loss\s+(\S+)\s+step\s+([\d.]+) ms\s+([\d,]+) tokens/s\s+peak mem (.+)$")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -49,6 +49,7 @@ def test_fork_1f1b_learns_and_reports_every_step(capsys, tmp_path):
     for row in rows:
         assert KEYS <= row.keys()
         assert ("loss" in row) == (row["rank"] == 1)  # only the last stage holds the loss
+        assert 0 < row["transient_peak_bytes"] < row["peak_memory_bytes"]  # activations come and go
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert losses[9] < losses[0]
 

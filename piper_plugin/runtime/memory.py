@@ -39,13 +39,14 @@ class _Held:
 
 
 class _Window:
-    """One task's window (see the module docstring): measured through hooks, or replayed."""
+    """One window of a task (see the module docstring): measured through hooks, or replayed.
+    ``key`` is the task and the window's count within the step."""
 
-    __slots__ = ("meter", "task", "hooks", "replay", "before")
+    __slots__ = ("meter", "key", "hooks", "replay", "before")
 
-    def __init__(self, meter: "MemoryMeter", task: str, saves: bool):
-        self.meter, self.task = meter, task
-        self.replay = meter._replay.get(task) if meter._replay is not None else None
+    def __init__(self, meter: "MemoryMeter", key: tuple[str, int], saves: bool):
+        self.meter, self.key = meter, key
+        self.replay = meter._replay.get(key) if meter._replay is not None else None
         self.hooks = meter.saved_tensor_hooks() if saves and self.replay is None else None
 
     def __enter__(self) -> None:
@@ -61,9 +62,7 @@ class _Window:
         if self.replay is not None:
             meter.replay_window(*self.replay)
             return
-        # each handler opens one window per task; a second would overwrite the first's change, so
-        # the step's changes would not add up to zero (unless the first changed nothing): no replay
-        meter._log[self.task] = (meter.saved - self.before, meter._high - self.before)
+        meter._log[self.key] = (meter.saved - self.before, meter._high - self.before)
 
 
 class MemoryMeter:
@@ -77,10 +76,11 @@ class MemoryMeter:
         self._refs: dict[int, int] = {}
         self.track_saved = True  # False: saved activations go uncounted (a host reports memory itself)
         # per window: (change of ``saved``, its highest rise above the start), this step's
-        self._log: dict[str, tuple[int, int]] = {}
-        self._logs: dict[tuple, dict[str, tuple[int, int]]] = {}  # batch shapes -> last measured step's
-        self._replays: dict[tuple, dict[str, tuple[int, int]]] = {}  # batch shapes -> what two steps agreed on
-        self._replay: dict[str, tuple[int, int]] | None = None
+        self._log: dict[tuple[str, int], tuple[int, int]] = {}  # by (task, its window's count)
+        self._logs: dict[tuple, dict[tuple[str, int], tuple[int, int]]] = {}  # batch shapes -> last measured step's
+        self._replays: dict[tuple, dict[tuple[str, int], tuple[int, int]]] = {}  # shapes -> what two steps agreed on
+        self._replay: dict[tuple[str, int], tuple[int, int]] | None = None
+        self._opened: dict[str, int] = {}  # windows each task opened this step
         self._shapes: tuple | None = None
 
     def add(self, nbytes: int) -> None:
@@ -109,15 +109,20 @@ class MemoryMeter:
             if whole and self._logs.get(self._shapes) == log:
                 self._replays[self._shapes] = log
             self._logs[self._shapes] = log
-        self._log, self._shapes = {}, shapes
+        self._log, self._shapes, self._opened = {}, shapes, {}
         self._replay = self._replays.get(shapes) if self.track_saved else None
         self.reset_peak()
 
     def window(self, task: str, saves: bool = False):
-        """Context for where ``task`` saves activations (``saves``: hooks go on) or releases them."""
+        """Context for where ``task`` saves activations (``saves``: hooks go on) or releases them.
+        A task may open several windows in a step (a backward split around its sends): each is
+        logged and replayed as its own, by the task and its count within the step."""
         if not self.track_saved:
             return contextlib.nullcontext()
-        return _Window(self, task, saves)
+        with self._lock:
+            index = self._opened.get(task, 0)
+            self._opened[task] = index + 1
+        return _Window(self, (task, index), saves)
 
     def ignore(self, tensors) -> None:
         """Parameters are kept memory, not activations, even when autograd saves them."""

@@ -58,6 +58,7 @@ class Worker:
                                    sizes=post_sizes(plan, rank))
         self.loss_group = self._loss_group(program)
         self.step_index = 0
+        self.step_base_bytes = 0  # allocated bytes when the current step began (GPU)
         gc.collect()
         gc.freeze()  # model, plan and DAG live for the whole job: keep them out of every collection
 
@@ -90,6 +91,7 @@ class Worker:
         self.state.meter.begin_step(self.state.batch_shapes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.step_base_bytes = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
         self.runner.run_step()
         self.comm.wait_sends()
@@ -98,7 +100,8 @@ class Worker:
         elapsed = time.perf_counter() - start
         metrics: dict[str, Any] = {"step": self.step_index, "rank": self.rank, "step_time_s": elapsed,
                                    "tokens_per_s": self.tokens_per_step / elapsed,
-                                   "peak_memory_bytes": self.peak_memory()}
+                                   "peak_memory_bytes": self.peak_memory(),
+                                   "transient_peak_bytes": self.transient_peak()}
         if self.loss_group is not None:
             loss = torch.stack(self.state.losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
@@ -111,6 +114,13 @@ class Worker:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return self.kept_bytes() + self.state.meter.peak
+
+    def transient_peak(self) -> int:
+        """This step's peak above what the rank held when it began (activations, messages,
+        gathered ZeRO-3 buckets): the allocator's on a GPU, the meter's on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.step_base_bytes
+        return self.state.meter.peak
 
     def kept_bytes(self) -> int:
         """Parameters, gradients and optimizer state this rank keeps across steps."""
