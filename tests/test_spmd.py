@@ -54,3 +54,22 @@ def test_different_plans_are_caught_before_step_one():
     for message in results.values():
         assert "ranks compiled different plans" in message
     assert _compile("1f1b").hash() in results[0] and _compile("gpipe").hash() in results[0]
+
+
+def test_a_cuda_job_gets_nccl_bound_to_its_gpu(monkeypatch):
+    """--device cuda in any launch mode: NCCL with the rank's device bound (communicators are
+    created with their groups, in one order on every rank); a CPU job gets gloo."""
+    import torch
+
+    from piper_plugin.runtime.worker import init_distributed
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    init_distributed(torch.device("cuda", 1), 5.0, rank=1, world_size=2)
+    init_distributed(torch.device("cpu"), 5.0, rank=0, world_size=2)
+    (_, gpu), (nccl, gpu_kw), (gloo, cpu_kw) = calls
+    assert gpu == torch.device("cuda", 1) and nccl == "nccl" and gpu_kw["device_id"] == gpu
+    assert gloo == "gloo" and "device_id" not in cpu_kw
+    assert gpu_kw["timeout"].total_seconds() == 5.0 and gpu_kw["rank"] == 1

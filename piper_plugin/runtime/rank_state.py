@@ -198,7 +198,7 @@ class RankState:
         return {n: p for params in self._unbucketed.values() for n, p in params.items()}
 
     def snapshot(self, region: str) -> None:
-        """Record the reduced gradients UPDATE is about to apply (parity checks read them)."""
+        """Record the reduced gradients UPDATE is about to apply, as host copies (parity checks read them)."""
         self.grad_pieces[region] = self._pieces(region, grads=True)
 
     def param_pieces(self) -> list[Piece]:
@@ -217,11 +217,11 @@ class RankState:
                 flat = flat[:bucket.numel]
             names = tuple(self._names[id(p)] for p in bucket.params)
             out.append(Piece(names, tuple(tuple(p.shape) for p in bucket.params), slot, n,
-                             self.ep if ep > 1 else 0, ep, flat.detach().clone(), self.rank))
+                             self.ep if ep > 1 else 0, ep, flat.detach().to("cpu", copy=True), self.rank))
         for name, p in self._unbucketed.get(region, {}).items():
             t = p.grad if grads else p
             out.append(Piece((name,), (tuple(p.shape),), 0, 1, self.ep if ep > 1 else 0, ep,
-                             t.detach().flatten().clone(), self.rank))
+                             t.detach().flatten().to("cpu", copy=True), self.rank))
         return out
 
 

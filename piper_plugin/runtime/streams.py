@@ -27,7 +27,10 @@ Every other stream (blocking collectives) gets a helper thread. A task waits onl
 dependencies on *other* streams (same-stream order is the list order); torch ops and gloo
 release the GIL, so communication on one thread overlaps compute on another. On a GPU each
 thread issues work on its own CUDA stream, and a CUDA event is recorded and waited on only
-where a dependency crosses streams. The first failure aborts the step: every stream stops at
+where a dependency crosses streams; a received value's event is recorded again where its
+completion ran (the completion's wait orders that stream after the transfer), so every consumer
+waits for the arrival, not the post. Every CUDA stream starts the step behind an event on the
+caller's stream (the batch copy and whatever else the caller queued before). The first failure aborts the step: every stream stops at
 its next wait and the caller gets the original exception with the rank and task named. Waits
 are bounded by ``timeout_s``.
 """
@@ -116,6 +119,10 @@ class _Step:
         self.timeline: list[tuple[str, str, float, float]] = []
         self.heads: dict[str, tuple[str, ...]] = {}  # what each stream is doing; words only on a timeout
         self.cuda_events: dict[str, torch.cuda.Event] = {}
+        self.ambient = None  # on a GPU: the caller's stream at step start (its batch copy, ...)
+        if runner.cuda:
+            self.ambient = torch.cuda.Event()
+            self.ambient.record(torch.cuda.current_stream(runner.device))
         # posted streams: next index to post, completions not yet run, one lock per stream
         self.next = {s: 0 for s in runner.posted}
         self.outstanding = {s: 0 for s in runner.posted}
@@ -178,6 +185,8 @@ class _Step:
                 raise TaskFailed(f"rank {self.r.rank}: task {key}{self.r.describe(key)} on stream {stream!r} "
                                  + (f"waited more than {self.r.timeout_s:.0f}s: " if late else "failed: ")
                                  + repr(exc), traceback.format_exc()) from None
+            if self.r.cuda and key in self.r.crossed:  # the message is here only from now on: every
+                self.record(key)  # later waiter on another stream waits for this point, not the post
             holder.clear()
             self.timeline.append((stream, key, start, time.perf_counter()))
         with self.locks[stream]:
@@ -245,10 +254,15 @@ class _Step:
 
     def signal(self, key: str) -> None:
         if self.r.cuda and key in self.r.crossed:
-            self.cuda_events[key] = torch.cuda.Event()
-            self.cuda_events[key].record()
+            self.record(key)
         if key in self.done:
             self.done[key].set()
+
+    def record(self, key: str) -> None:
+        """Mark ``key``'s work on the current CUDA stream: cross-stream waiters wait for it."""
+        event = torch.cuda.Event()
+        event.record()
+        self.cuda_events[key] = event
 
     # -- threaded streams --------------------------------------------------------------------
     def run_stream(self, stream: str, keys: list[str], drain: bool = False) -> None:
@@ -260,6 +274,7 @@ class _Step:
             torch.cuda.set_device(self.r.device)
             previous_stream = torch.cuda.current_stream(self.r.device)
             torch.cuda.set_stream(self.r.cuda_streams[stream])
+            torch.cuda.current_stream().wait_event(self.ambient)  # the caller's work before the step
         try:
             if drain and not keys:  # nothing runs here: receives go out at step start
                 self.post_all()
@@ -329,5 +344,5 @@ class _Step:
         if self.failure:
             raise self.failure[0]
         for cuda_stream in r.cuda_streams.values():
-            cuda_stream.synchronize()
+            cuda_stream.synchronize()  # the step's results are ready for the host and every stream
         r.timeline = self.timeline

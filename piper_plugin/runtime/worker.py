@@ -28,18 +28,16 @@ from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import post_sizes
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "device_for", "init_distributed"]
 
 
 class Worker:
     def __init__(self, rank: int, job: Job, program: Program, plan: Plan, init_method: str | None = None):
         self.rank, self.job, self.plan = rank, job, plan
         torch.set_num_threads(1)
-        self.device = _device(job.device, rank)
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=plan.grid.world_size,
-                                    timeout=timedelta(seconds=job.timeout_s))
+        self.device = device_for(job.device, rank)
+        init_distributed(self.device, job.timeout_s, init_method=init_method, rank=rank,
+                         world_size=plan.grid.world_size)
         model = job.build_model().to(self.device)  # initialised on the CPU like single-device runs
         self.state = RankState(rank, plan, program, model, job.loss_fn, job.optimizer_fn)
         self.state.snapshot_grads = job.capture_grads
@@ -136,7 +134,21 @@ class Worker:
         return tensor_bytes(tensors)
 
 
-def _device(kind: str, rank: int) -> torch.device:
+def init_distributed(device: torch.device, timeout_s: float, **kwargs: Any) -> None:
+    """The default process group for ``device``, unless one exists: gloo on a CPU; on a GPU,
+    NCCL bound to this rank's device, so every communicator is created when its group is
+    (in the same order on every rank), not lazily by its first operation."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s),
+                            **kwargs)
+
+
+def device_for(kind: str, rank: int) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda" or not torch.cuda.is_available():

@@ -6,7 +6,6 @@ both hashes named instead of deadlocking later.
 """
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -37,10 +36,12 @@ def check_plan_hash(plan, replicas: int = 1) -> None:
 def run_spmd(job: Job, *, on_metrics: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Compile here, check the plan hash across ranks, then train ``job.steps`` steps."""
     from piper_plugin.runtime.launch.processes import _final
-    from piper_plugin.runtime.worker import Worker
+    from piper_plugin.runtime.worker import Worker, device_for, init_distributed
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=job.timeout_s))
+    import os
+
+    rank = int(os.environ.get("RANK", 0)) if not dist.is_initialized() else dist.get_rank()
+    init_distributed(device_for(job.device, rank), job.timeout_s)  # NCCL for --device cuda
     program, _, plan, _ = compile_job(job)
     check_plan_hash(plan)
     worker = Worker(dist.get_rank(), job, program, plan)
