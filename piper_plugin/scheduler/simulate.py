@@ -9,7 +9,8 @@ can start, the plan would deadlock and :class:`DeadlockError` names the blocked 
 Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
 plus the peak of activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a
 reduce-scatter and received buffers (from their post, :mod:`.posting`), each held until its last
-local consumer finishes.
+local consumer finishes. A bucket gathered for several microbatches at once is one copy (as in
+the runtime, which counts references to it).
 """
 from __future__ import annotations
 
@@ -251,6 +252,9 @@ class _Memory:
             self.holding |= {Kind.B, Kind.BW}
         self.posted = [posted_streams(plan, r) for r in range(world)]
         self.receives: list[dict[str, list]] = [{} for _ in range(world)]  # posted RECV -> [bytes, first use]
+        # ZeRO-3 gathers -> [start, end, bucket, bytes]: a rank holds one copy of a bucket while any
+        # gather of it is in use (the runtime counts references; parameters do not change in a step)
+        self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -263,6 +267,9 @@ class _Memory:
                 consumers = _consumers(self.plan, r, key)
                 if consumers and node.kind == Kind.RECV and node.stream in self.posted[r]:
                     self.receives[r][key] = [held, float("inf")]  # allocated when posted (peaks)
+                elif node.kind == Kind.ALL_GATHER:
+                    self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
+                    held = 0  # counted in peaks(), once per bucket while in use
                 else:
                     events.append((start, held))
                 if consumers:
@@ -286,13 +293,16 @@ class _Memory:
                 nbytes, left = waiting[producer]
                 left.discard(key)
                 if not left:
-                    events.append((finish, -nbytes))
+                    if producer in self.gathers[r]:
+                        self.gathers[r][producer][1] = finish
+                    else:
+                        events.append((finish, -nbytes))
                     del waiting[producer]
 
     def peaks(self) -> list[int]:
         out = []
         for r, receives in enumerate(self.receives):
-            events = list(self.events[r])
+            events = list(self.events[r]) + _bucket_spans(self.gathers[r].values())
             for stream in self.posted[r]:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
                 events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
@@ -302,6 +312,25 @@ class _Memory:
                 peak = max(peak, level)
             out.append(peak)
         return out
+
+
+def _bucket_spans(gathers) -> list[tuple[float, int]]:
+    """Memory events of gathered buckets: overlapping uses of one bucket share a copy."""
+    events: list[tuple[float, int]] = []
+    by_bucket: dict[tuple, list[list]] = {}
+    for span in gathers:
+        by_bucket.setdefault(span[2], []).append(span)
+    for spans in by_bucket.values():
+        spans.sort(key=lambda s: s[0])
+        start, end, _, nbytes = spans[0]
+        for s in spans[1:]:
+            if s[0] < end:  # still held when this gather lands: no second copy
+                end = max(end, s[1])
+                continue
+            events += [(start, nbytes), (end, -nbytes)]
+            start, end = s[0], s[1]
+        events += [(start, nbytes), (end, -nbytes)]
+    return events
 
 
 def _held_bytes(plan: Plan, node, shards: int) -> int:
