@@ -8,16 +8,12 @@ import torch
 
 from piper_plugin import capture
 from piper_plugin.api.schedule import Schedule
+from piper_plugin.runtime.parity import rel
 from piper_plugin.runtime.reference import ReferenceExecutor
 from piper_plugin.scheduler.plan import build_plan
 from piper_plugin.scheduler.simulate import simulate
 
 TOL = 1e-5
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative error ||a - b|| / ||b|| (fp32 parity metric)."""
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def adamw(params):
@@ -80,34 +76,15 @@ def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int 
     from piper_plugin.models import lm_loss
     from piper_plugin.runtime.job import Job, compile_job
     from piper_plugin.runtime.launch.processes import run_forked
-    from piper_plugin.runtime.pieces import expected_flat
+    from piper_plugin.runtime.parity import single_device_errors
 
     job = Job(model_fn, lm_loss, lm_data(cfg, batch), schedule_fn, adamw, steps=steps, capture_grads=True,
               timeout_s=60)
     program, _, plan, _ = compile_job(job)
     metrics: list[dict] = []
     per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
-    torch.manual_seed(job.seed)
-    reference = model_fn()
-    optimizer = adamw(list(reference.parameters()))
-    data = job.data_fn(job.seed)
-    for step in range(steps):
-        tokens, target = next(data)
-        loss = lm_loss(reference(tokens), target)
-        loss.backward()
-        losses = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
-        assert losses, f"no last-stage rank reported a loss for step {step}"
-        for got in losses:
-            assert abs(got - loss.item()) / loss.item() < TOL, f"step {step}: loss {got} vs {loss.item()}"
-        grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-    params = {n: p.detach() for n, p in reference.named_parameters()}
-    for rank, result in per_rank.items():
-        for piece in result["grad_pieces"]:
-            err = rel(piece.flat, expected_flat(piece, grads))
-            assert err < TOL, f"rank {rank}: gradient of {piece.names[0]}... differs by {err:.2e}"
-        for piece in result["param_pieces"]:
-            err = rel(piece.flat, expected_flat(piece, params))
-            assert err < TOL, f"rank {rank}: parameter {piece.names[0]}... differs by {err:.2e}"
+    errors = single_device_errors(job, metrics, per_rank)
+    for kind in ("loss", "grad", "param"):
+        err = getattr(errors, kind)
+        assert err < TOL, f"{kind} differs by {err:.2e} ({errors.where[kind]})"
     return metrics

@@ -65,3 +65,29 @@ def test_only_a_ranks_last_backward_that_feeds_a_send_goes_input_gradients_first
     sch = apply_recipe(Schedule(program, pp=2, dp=2), "1f1b", microbatches=4, zero=2)
     plan = build_plan(sch.dag, sch.grid)
     assert all(not _input_grads_first(plan, r) for r in range(plan.grid.world_size))
+
+
+def test_the_comparison_sees_a_wrong_loss_gradient_or_parameter():
+    """single_device_errors is what every parity test above asserts on: it must report a
+    perturbed loss, gradient piece or parameter piece, naming where."""
+    from benchmarks._common import lm_config, lm_job
+    from piper_plugin.runtime.job import compile_job
+    from piper_plugin.runtime.launch.processes import run_forked
+    from piper_plugin.runtime.parity import single_device_errors
+
+    job = lm_job(lm_config(dim=16, layers=2, heads=2, ffn=32, seq=8, vocab=32), recipe="1f1b", pp=2,
+                 microbatches=2, batch=4)
+    job.steps, job.capture_grads = 2, True
+    program, _, plan, _ = compile_job(job)
+    metrics: list[dict] = []
+    per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
+    assert single_device_errors(job, metrics, per_rank).worst() < 1e-5
+    for m in metrics:
+        if "loss" in m and m["step"] == 1:
+            m["loss"] *= 1.01
+    per_rank[0]["grad_pieces"][0].flat[0] += 1.0
+    per_rank[1]["param_pieces"][0].flat[0] += 1.0
+    errors = single_device_errors(job, metrics, per_rank)
+    assert errors.loss > 1e-3 and errors.where["loss"].startswith("step 1")
+    assert errors.grad > 1e-3 and errors.where["grad"].startswith("rank 0")
+    assert errors.param > 1e-3 and errors.where["param"].startswith("rank 1")

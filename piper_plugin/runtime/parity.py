@@ -1,0 +1,70 @@
+"""A distributed run against single-device training: the worst relative errors.
+
+The reference trains ``job``'s model the plain way (same seed, same batches, the job's own
+optimizer and LR scheduler) on the CPU in fp32. A run is compared by every step's loss as the
+last-stage ranks reported it, and by the gradient and parameter pieces every rank captured
+(``Job.capture_grads``): gradients of the last step, parameters after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from piper_plugin.runtime.job import Job
+from piper_plugin.runtime.pieces import expected_flat
+
+__all__ = ["ParityErrors", "rel", "single_device_errors"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ||a - b|| / ||b|| (the fp32 parity metric)."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@dataclass
+class ParityErrors:
+    loss: float = 0.0
+    grad: float = 0.0
+    param: float = 0.0
+    where: dict[str, str] = field(default_factory=dict)  # what the worst error of each kind is in
+
+    def note(self, kind: str, err: float, where: str) -> None:
+        if err >= getattr(self, kind):
+            setattr(self, kind, err)
+            self.where[kind] = where
+
+    def worst(self) -> float:
+        return max(self.loss, self.grad, self.param)
+
+
+def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]]) -> ParityErrors:
+    """Train ``job.steps`` steps on one device and compare; raises when a step has no loss."""
+    reference = job.build_model()
+    optimizer = job.optimizer_fn(list(reference.parameters()))
+    scheduler = job.lr_scheduler_fn(optimizer) if job.lr_scheduler_fn else None
+    data = job.data_fn(job.seed)
+    errors = ParityErrors()
+    grads: dict[str, torch.Tensor] = {}
+    for step in range(job.steps):
+        *inputs, target = next(data)
+        loss = job.loss_fn(reference(*inputs), target)
+        loss.backward()
+        losses = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
+        if not losses:
+            raise ValueError(f"no last-stage rank reported a loss for step {step}")
+        for got in losses:
+            errors.note("loss", abs(got - loss.item()) / abs(loss.item()), f"step {step}: {got} vs {loss.item()}")
+        grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    params = {n: p.detach() for n, p in reference.named_parameters()}
+    for rank, result in per_rank.items():
+        for piece in result["grad_pieces"]:
+            errors.note("grad", rel(piece.flat, expected_flat(piece, grads)), f"rank {rank}: {piece.names[0]}...")
+        for piece in result["param_pieces"]:
+            errors.note("param", rel(piece.flat, expected_flat(piece, params)), f"rank {rank}: {piece.names[0]}...")
+    return errors
