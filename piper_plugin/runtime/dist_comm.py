@@ -12,6 +12,7 @@ addresses peers by process rank; plan ranks stay what the plan, its state and it
 """
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Callable
 
@@ -25,6 +26,10 @@ from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["DistComm", "communicator_specs"]
+
+# flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
@@ -57,6 +62,7 @@ class DistComm:
         self.process_rank = mine[0]  # plan rank -> process rank, in this process's replica
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         self.sends: list = []  # (work, tensor): a SEND never blocks its stream (buffered, as simulated)
+        self._sends_lock = threading.Lock()  # sends go out from several streams' threads
         timeout = timedelta(seconds=timeout_s)
         for replica in replicas:
             for stream, ranks in communicator_specs(plan):
@@ -65,9 +71,23 @@ class DistComm:
                     self.groups[(stream, ranks)] = group
 
     def wait_sends(self) -> None:
-        for work, _ in self.sends:
+        with self._sends_lock:
+            sends, self.sends = self.sends, []
+        for work, _ in sends:
             work.wait()
-        self.sends.clear()
+
+    def _add_send(self, work, tensor: torch.Tensor) -> None:
+        """Keep ``work`` (and its tensor) until it completes; sends that completed meanwhile
+        are let go now (their ``wait`` returns at once, or raises their error), so a step holds
+        only the messages still in flight, not every one it sent."""
+        with self._sends_lock:
+            done = [s for s in self.sends if s[0].is_completed()]
+            if done:
+                gone = {id(w) for w, _ in done}
+                self.sends = [s for s in self.sends if id(s[0]) not in gone]
+            self.sends.append((work, tensor))
+        for finished, _ in done:
+            finished.wait()
 
     def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
         """The other side of a SEND / RECV: its process rank and the pair's communicator."""
@@ -90,7 +110,7 @@ class DistComm:
             for name in sorted(values):
                 if isinstance(values[name], torch.Tensor):
                     tensor = values[name].contiguous()
-                    self.sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
+                    self._add_send(dist.isend(tensor, dst=dst, group=group), tensor)
             state.finished(node.key)
         elif node.kind == Kind.RECV:
             src, group = self.channel(node)
@@ -124,11 +144,11 @@ def _collective(node: Node, x: torch.Tensor, n: int, group) -> torch.Tensor:
         return x
     if node.kind == Kind.REDUCE_SCATTER:
         out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        _reduce_scatter(out, x.contiguous(), group=group)
         return out
     if node.kind == Kind.ALL_GATHER:
         out = torch.empty(x.numel() * n, dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather(out, x.contiguous(), group=group)
         return out
     x = x.contiguous()  # gradients from autograd.grad may come permuted
     if comm_ops.is_dispatch(node):  # [E, C, D] -> [E/n, n*C, D]
