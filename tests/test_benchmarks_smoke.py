@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` lives at the repo root
 
-from benchmarks import memory_check, pipelining_ab, task_overhead  # noqa: E402
+from benchmarks import cuda_check, memory_check, pipelining_ab, task_overhead  # noqa: E402
 
 TINY_LM = ["--dim", "32", "--layers", "4", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "8",
            "--batch", "8", "--microbatches", "4"]
@@ -105,3 +105,24 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
     assert s["cycles"] == 2 and s["cycle_ratio"] > 0  # steps 1-8 hold two torch-piper-piper-torch cycles
     assert len(s["run_ratios"]) == 1 and s["run_ratio"] == s["run_ratios"][0] > 0
     assert 0 < s["loss"] < 20
+
+
+def test_cuda_check_smoke(tmp_path, capsys):
+    """The GPU session's script, on gloo: the two-stream rank, a pipeline and ZeRO-3 against one
+    device, memory against the simulator, the overlap A/B; its exit code follows its verdicts."""
+    out = tmp_path / "cuda.md"
+    code = cuda_check.main(["--device", "cpu", "--steps", "3", "--rounds", "1", "--cases", "1f1b-pp2", "zero3-dp2",
+                            "--out", str(out)])
+    text = out.read_text()
+    assert "Command: `python -m benchmarks.cuda_check --device cpu" in text
+    parity, memory = _tables(text)
+    assert [(r[0], r[1]) for r in parity] == [("zb-h1 1 rank, BW stream", "compute + wgrad"),
+                                              ("1f1b-pp2", "compute + p2p:0>1 + p2p:1>0"), ("zero3-dp2", "compute + dp")]
+    assert all(float(cell) < 1e-5 for row in parity for cell in row[2:5])
+    assert [(r[0], r[1]) for r in memory] == [("zb-h1 1 rank, BW stream", "0"), ("1f1b-pp2", "0"), ("1f1b-pp2", "1"),
+                                              ("zero3-dp2", "0"), ("zero3-dp2", "1")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in memory)
+    assert "own comm stream / one stream" in text
+    verdicts = [line for line in text.splitlines() if line.startswith("- ")]
+    assert len(verdicts) == 3 * 2 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
+    assert code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)

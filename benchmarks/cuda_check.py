@@ -1,0 +1,215 @@
+"""The CUDA path on this machine's GPUs, in one run: what a session lent a GPU executes.
+
+Sections (each prints its figures and whether its goal holds; the exit code is 1 if one fails):
+
+1. *streams*: one rank, the zero-bubble recipe with every weight-gradient chunk on a logical
+   stream of its own, so the rank runs two CUDA streams joined by events wherever a dependency
+   crosses them. Loss per step, last gradients and final parameters against single-device fp32
+   training on the CPU (goal: relative error < ``--tol``).
+2. *memory*: that run's transient peak per step, from the CUDA allocator (peak above what was
+   allocated when the step began), against the simulator's (goal: within 10%).
+3. *nccl* (one GPU per rank: NCCL refuses two ranks on one GPU): 1F1B and DualPipeV on two ranks
+   and ZeRO-3 on two data-parallel ranks against single-device training, with each rank's
+   transient peak against the simulator's; then the ZeRO-3 plan with its gathers and
+   reduce-scatters on their own stream against the same plan on one stream, alternating
+   (goal: the streamed plan is faster).
+
+``--device cpu`` runs every section on gloo with the same code (the test suite's smoke run).
+
+    python -m benchmarks.cuda_check                  # writes benchmarks/results/cuda_check.md
+
+On a lent GPU machine (its own torch, no installs; about a minute on one GPU):
+``PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.cuda_check --out $OUT/cuda_check.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # fp32 matmuls in every rank (the fork server inherits it)
+
+import torch
+
+from benchmarks._common import code_version, command_line, lm_config, lm_job, markdown_table, write_result
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.recipes import apply_recipe
+from piper_plugin.runtime.job import compile_job
+from piper_plugin.runtime.launch.processes import run_forked
+from piper_plugin.runtime.parity import single_device_errors
+
+__all__ = ["main", "build_parser"]
+
+SIZES = {  # toy LM shapes: "gpu" makes activations dwarf the allocator's rounding and workspaces
+    "small": dict(dim=32, layers=4, heads=2, ffn=64, seq=16, vocab=64),
+    "gpu": dict(dim=512, layers=4, heads=8, ffn=2048, seq=256, vocab=4096),
+}
+NCCL_CASES = {  # name: (recipe, pp, dp, zero)
+    "1f1b-pp2": ("1f1b", 2, 1, 0),
+    "dualpipev-pp2": ("dualpipev", 2, 1, 0),
+    "zero3-dp2": ("1f1b", 1, 2, 3),
+}
+MEMORY_GOAL = 0.10
+
+
+def _schedule(program, *, recipe: str, pp: int, dp: int, zero: int, microbatches: int,
+              wgrad_stream: bool = False, one_stream: bool = False) -> Schedule:
+    sch = apply_recipe(Schedule(program, pp=pp, dp=dp), recipe, microbatches=microbatches, zero=zero)
+    if wgrad_stream:
+        sch.stream("kind=BW", "wgrad")
+    if one_stream:
+        sch.stream("*", "compute")
+    return sch
+
+
+def _job(args, *, recipe: str, pp: int, dp: int = 1, zero: int = 0, **extra):
+    cfg = lm_config(**SIZES[args.size])
+    job = lm_job(cfg, recipe=recipe, pp=pp, microbatches=args.microbatches, batch=args.batch * dp)
+    job.schedule_fn = functools.partial(_schedule, recipe=recipe, pp=pp, dp=dp, zero=zero,
+                                        microbatches=args.microbatches, **extra)
+    job.steps, job.device, job.capture_grads, job.timeout_s = args.steps, args.device, True, args.timeout
+    return job
+
+
+def _train(job) -> dict[str, Any]:
+    """Run ``job`` on forked ranks; its parity and memory figures."""
+    program, _, plan, simulated = compile_job(job)
+    metrics: list[dict[str, Any]] = []
+    per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
+    errors = single_device_errors(job, metrics, per_rank)
+    later = [m for m in metrics if m["step"] >= min(2, job.steps - 1)]  # replayed / warm steps
+    memory = []
+    for rank in range(plan.grid.world_size):
+        measured = statistics.median(m["transient_peak_bytes"] for m in later if m["rank"] == rank)
+        memory.append((rank, measured, simulated.peak_transient_bytes[rank]))
+    streams = sorted({s for rp in plan.ranks for s in rp.streams})
+    return {"errors": errors, "memory": memory, "streams": streams,
+            "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3}
+
+
+def _step_times(worker, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        worker.step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def _overlap(args) -> tuple[list[float], list[float]]:
+    """Slowest-rank step times of the ZeRO-3 plan with its own comm stream, and on one stream."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for one_stream in (False, True):
+            job = _job(args, recipe="1f1b", pp=1, dp=2, zero=3, one_stream=one_stream)
+            job.capture_grads = False
+            program, _, plan, _ = compile_job(job)
+            out = run_forked(job, program, plan, body=functools.partial(_step_times, steps=args.steps))
+            times[one_stream] += [max(per_rank) for per_rank in zip(*out.values())]
+    return times[False], times[True]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _memory_rows(case: str, memory) -> tuple[list[list[Any]], bool]:
+    rows, ok = [], True
+    for rank, measured, simulated in memory:
+        dev = measured / simulated - 1 if simulated else float("inf")
+        ok &= abs(dev) <= MEMORY_GOAL
+        rows.append([case, rank, _mib(measured), _mib(simulated), f"{dev:+.1%}"])
+    return rows, ok
+
+
+def _environment(device: str) -> tuple[str, int]:
+    if device == "cpu":
+        return f"torch {torch.__version__}, CPU only (gloo); {code_version()}", 2
+    count = torch.cuda.device_count()
+    names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, {count} x {names}; "
+            f"{code_version()}"), count
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", choices=sorted(SIZES), help="toy LM shapes (default: gpu on cuda, small on cpu)")
+    p.add_argument("--steps", type=int, default=4, help="steps per run (figures from step 3 on)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="global batch per data-parallel replica")
+    p.add_argument("--cases", nargs="*", choices=sorted(NCCL_CASES), default=sorted(NCCL_CASES),
+                   help="multi-rank cases of the nccl section")
+    p.add_argument("--rounds", type=int, default=3, help="overlap A/B rounds (each runs both plans; 0: none)")
+    p.add_argument("--tol", type=float, help="parity goal (default: 1e-4 on cuda, 1e-5 on cpu)")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--out", type=Path, help="result file (default: benchmarks/results/cuda_check.md)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.size = args.size or ("gpu" if args.device == "cuda" else "small")
+    args.tol = args.tol or (1e-4 if args.device == "cuda" else 1e-5)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU here; use --device cpu")
+    env, ranks_available = _environment(args.device)
+    verdicts: dict[str, bool] = {}
+    parity_rows, memory_rows = [], []
+
+    def record(case: str, result: dict[str, Any]) -> None:
+        e = result["errors"]
+        verdicts[f"parity {case}"] = e.worst() < args.tol
+        parity_rows.append([case, " + ".join(result["streams"]), f"{e.loss:.1e}", f"{e.grad:.1e}", f"{e.param:.1e}",
+                            f"{result['step_ms']:.1f}"])
+        rows, ok = _memory_rows(case, result["memory"])
+        verdicts[f"memory {case}"] = ok
+        memory_rows.extend(rows)
+        print(f"{case}: worst error {e.worst():.1e}, memory {'within' if ok else 'outside'} 10%", flush=True)
+
+    record("zb-h1 1 rank, BW stream", _train(_job(args, recipe="zb-h1", pp=1, wgrad_stream=True)))
+    if ranks_available >= 2:
+        for case in args.cases:
+            recipe, pp, dp, zero = NCCL_CASES[case]
+            record(case, _train(_job(args, recipe=recipe, pp=pp, dp=dp, zero=zero)))
+    if ranks_available >= 2 and args.rounds > 0:
+        streamed, single = _overlap(args)
+        ratio = statistics.median(streamed) / statistics.median(single)
+        verdicts["overlap"] = ratio < 1.0
+        overlap = (f"ZeRO-3, dp=2: own comm stream / one stream, median slowest-rank step time "
+                   f"{ratio:.3f} ({len(streamed)} steps each, alternating runs; best {min(streamed) / min(single):.3f})")
+        print(overlap, flush=True)
+    elif ranks_available < 2:
+        overlap = (f"Multi-rank section not run: {ranks_available} GPU here and NCCL needs one GPU per rank "
+                   f"(it refuses two ranks on one device).")
+        print(overlap, flush=True)
+    else:
+        overlap = "Not run (--rounds 0)."
+
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    text = "\n\n".join([
+        "# CUDA path check", env, f"Command: `{command_line('cuda_check', args, parser)}`",
+        f"## Parity with single-device fp32 training on the CPU ({backend} between ranks; goal < {args.tol:g})",
+        markdown_table(["case", "logical streams", "loss", "gradients", "parameters", "median step ms"], parity_rows),
+        "## Transient peak memory per step: measured (allocator on a GPU, meter on a CPU) vs simulated, MiB",
+        markdown_table(["case", "rank", "measured", "simulated", "deviation"], memory_rows),
+        "## Overlap", overlap,
+        "## Verdicts", "\n".join(f"- {name}: {'holds' if ok else 'FAILS'}" for name, ok in verdicts.items()),
+    ]) + "\n"
+    path = write_result(args.out, "cuda_check.md", text)
+    print(f"wrote {path}")
+    return 0 if all(verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
