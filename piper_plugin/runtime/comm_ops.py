@@ -62,10 +62,11 @@ def absorb(state: RankState, node: Node, result) -> None:
             bucket.add_shard_grad(result)
         else:
             if node.phase in ("F", "B"):  # ZeRO-3: parameters do not change within a step
-                if bucket.refs == 0:
-                    state.meter.add(bucket.padded * bucket.flat.element_size())
-                    bucket.materialize(result)
-                bucket.refs += state.local_consumers(node.key)
+                with state.bucket_lock:  # not while a consumer on another thread releases it
+                    if bucket.refs == 0:
+                        state.meter.add(bucket.padded * bucket.flat.element_size())
+                        bucket.materialize(result)
+                    bucket.refs += state.local_consumers(node.key)
             else:
                 bucket.materialize(result)
     state.finished(node.key)

@@ -60,6 +60,7 @@ class RankState:
         self._gather_cache: dict[str, list[tuple[str, int]]] = {}
         self._handoff_cache: dict[str, list[tuple[str, int]]] = {}
         self._lock = threading.Lock()
+        self.bucket_lock = threading.Lock()  # a bucket's references and its storage change together
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
         self.inputs: dict[str, list[torch.Tensor]] = {}
@@ -178,7 +179,9 @@ class RankState:
         return box
 
     def finished(self, key: str) -> None:
-        """Release gathered ZeRO-3 buckets whose last local consumer was ``key``."""
+        """Release gathered ZeRO-3 buckets whose last local consumer was ``key``. On a GPU each
+        consumer's stream is recorded on the bucket first: its memory was allocated on the
+        gathering stream, which must not reuse it before the consumers' kernels ran."""
         gathers = self._gather_cache.get(key)
         if gathers is None:
             gathers = [(n.region, n.bucket) for n in map(self.dag.nodes.__getitem__, self.dag.data_pred[key])
@@ -186,10 +189,13 @@ class RankState:
             self._gather_cache[key] = gathers
         for name in gathers:
             bucket = self.buckets[name]
-            bucket.refs -= 1
-            if bucket.refs == 0:
-                bucket.release()
-                self.meter.add(-bucket.padded * bucket.flat.element_size())
+            if self.cuda:
+                bucket.flat.record_stream(torch.cuda.current_stream(self.device))
+            with self.bucket_lock:  # a gather's absorb (another thread) may be materializing it anew
+                bucket.refs -= 1
+                if bucket.refs == 0:
+                    bucket.release()
+                    self.meter.add(-bucket.padded * bucket.flat.element_size())
 
     def local_consumers(self, key: str) -> int:
         return sum(1 for s in self.dag.data_succ[key] if self.rank in self.dag.nodes[s].devices)

@@ -1,0 +1,50 @@
+"""A ZeRO-3 bucket's references and storage change together: a consumer releasing the last
+reference on one thread and a gather materializing the next microbatch's copy on another never
+leave a referenced bucket without storage."""
+import functools
+import threading
+import time
+
+import torch
+
+from piper_plugin import capture
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.ir.nodes import Kind
+from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
+from piper_plugin.recipes import apply_recipe
+from piper_plugin.runtime import comm_ops
+from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.scheduler.plan import build_plan
+
+
+def test_release_and_the_next_gather_do_not_interleave():
+    torch.manual_seed(0)
+    model, cfg = build_toy_lm(stages=1, layers=1)
+    x, y = lm_batch(cfg, 8)
+    program = capture(model, lm_loss, (x,), y)
+    sch = apply_recipe(Schedule(program, pp=1, dp=2), "1f1b", microbatches=4, zero=3)
+    plan = build_plan(sch.dag, sch.grid)
+    state = RankState(0, plan, program, model, lm_loss, functools.partial(torch.optim.SGD, lr=0.1))
+    first, second = sorted((n for n in plan.dag.nodes.values() if n.kind == Kind.ALL_GATHER and n.phase == "F"),
+                           key=lambda n: n.microbatch)[:2]
+    bucket = state.buckets[(first.region, first.bucket)]
+    full = torch.randn(bucket.padded)
+    comm_ops.absorb(state, first, full)  # microbatch 0's gather: its forward holds the bucket
+    assert bucket.refs == 1 and bucket.materialized
+
+    release = bucket.release
+
+    def slow_release() -> None:  # widen the window between the last reference and the free
+        time.sleep(0.2)
+        release()
+
+    bucket.release = slow_release
+    (consumer,) = plan.dag.data_succ[first.key]
+    done = threading.Thread(target=state.finished, args=(consumer,))
+    done.start()
+    time.sleep(0.05)  # the forward has dropped its reference and is freeing the storage
+    comm_ops.absorb(state, second, full)  # microbatch 1's gather lands meanwhile
+    done.join()
+    assert bucket.refs == 1
+    assert bucket.materialized, "a referenced bucket lost its storage to the release before it"
+    assert torch.equal(bucket.flat, full)
