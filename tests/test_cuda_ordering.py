@@ -2,6 +2,7 @@
 streams and events, tests/fake_cuda.py): every dependency, also across streams and through a
 message, finishes on the device before its dependent starts, and the caller's work queued
 before the step (the batch copy) finishes before any task."""
+import pytest
 import torch
 
 from fake_cuda import FakeCuda
@@ -66,3 +67,68 @@ def test_the_model_sees_an_unordered_pair(monkeypatch):
     b.wait_stream(a)
     b.enqueue("z")
     assert cuda.ordered("x", "z") and not cuda.ordered("z", "x")
+
+
+def _recipe_plan(recipe: str, pp: int, dp: int, ep: int, zero: int):
+    from piper_plugin import capture
+    from piper_plugin.api.schedule import Schedule
+    from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
+    from piper_plugin.recipes import apply_recipe, stages_needed
+    from piper_plugin.scheduler.plan import build_plan
+
+    stages = stages_needed(recipe, pp)
+    with torch.device("meta"):
+        model, cfg = TOY_MODELS["toy-moe" if ep > 1 else "toy-lm"](stages=stages, layers=stages)
+    tokens, targets = lm_batch(cfg, 4 * dp * ep * 2)
+    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=pp, dp=dp, ep=ep)
+    return build_plan(apply_recipe(sch, recipe, microbatches=4, zero=zero).dag, sch.grid)
+
+
+def _comm_execute(cuda: FakeCuda, plan, comm: dict, step: int):
+    """Compute on the current stream; every comm node on its communicator's stream (one per
+    logical stream) after the current one; a RECV completes later, a collective at once (the
+    current stream waits for it, as NCCL's blocking collectives do)."""
+    from piper_plugin.ir.nodes import COMPUTE, Kind
+
+    def execute(key: str):
+        node = plan.dag.nodes[key]
+        op = f"{key}@{step}"
+        if node.kind in COMPUTE:
+            cuda.current_stream().enqueue(op)
+            return None
+        stream = comm.setdefault(node.stream, cuda.new_stream())
+        stream.wait_stream(cuda.current_stream())
+        stream.enqueue(op)
+        if node.kind == Kind.SEND:
+            return None
+        if node.kind == Kind.RECV:
+            return lambda seconds: cuda.current_stream().wait_stream(stream)
+        cuda.current_stream().wait_stream(stream)
+        return None
+
+    return execute
+
+
+@pytest.mark.parametrize("recipe,pp,dp,ep,zero", [
+    ("1f1b", 2, 1, 1, 0), ("interleaved-1f1b", 2, 1, 1, 0), ("zb-h1", 2, 1, 1, 0), ("dualpipev", 2, 1, 1, 0),
+    ("1f1b", 2, 2, 1, 3), ("zb-h1", 1, 2, 1, 2), ("dualpipev", 2, 1, 2, 0)])
+def test_every_recipe_rank_is_ordered_on_the_device(monkeypatch, recipe, pp, dp, ep, zero):
+    """The same on every rank of real recipe plans (P2P posted, collectives on their threads)."""
+    from piper_plugin.runtime.streams import compute_stream
+    from piper_plugin.scheduler.posting import posted_streams
+
+    plan = _recipe_plan(recipe, pp, dp, ep, zero)
+    for rank, rank_plan in enumerate(plan.ranks):
+        cuda = FakeCuda(monkeypatch)
+        comm: dict = {}
+        for step in range(2):
+            runner = StreamRunner(rank, rank_plan, _comm_execute(cuda, plan, comm, step), timeout_s=30,
+                                  device=torch.device("cuda", 0), inline=compute_stream(plan, rank),
+                                  posted=posted_streams(plan, rank))
+            cuda.default.enqueue(f"batch@{step}")
+            runner.run_step()
+            for key, deps in rank_plan.deps.items():
+                after = f"{key}@{step}"
+                assert cuda.ordered(f"batch@{step}", after), f"rank {rank} step {step}: {key} before the batch"
+                for dep in deps:
+                    assert cuda.ordered(f"{dep}@{step}", after), f"rank {rank} step {step}: {key} before {dep}"
