@@ -4,7 +4,8 @@ A bucket views its parameters as slices of one flat buffer padded to a multiple 
 size. ``zero`` decides what stays resident:
 
 * 0: full params, full grads, optimizer over the params themselves;
-* 1, 2: full params, optimizer over this rank's shard (a flat ``nn.Parameter``);
+* 1, 2: full params, optimizer over this rank's shard (a flat ``nn.Parameter`` viewing its slice
+  of the buffer: the update lands in the params, no second copy);
 * 3: only the shard; ``materialize`` refills the flat buffer (same storage, so autograd's saved
   references stay valid), ``release`` frees it once its last consumer finished.
 """
@@ -34,7 +35,8 @@ class FlatBucket:
                 p.data = self.flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
         lo = self.index * self.shard_numel
-        self.shard = nn.Parameter(self.flat[lo:lo + self.shard_numel].clone()) if zero >= 1 else None
+        own = self.flat[lo:lo + self.shard_numel]  # ZeRO-1/2: the optimizer updates it in place
+        self.shard = nn.Parameter(own.clone() if zero == 3 else own) if zero >= 1 else None
         self.refs = 0
         if zero == 3:
             self.release()
