@@ -1,6 +1,7 @@
-"""A ZeRO-3 bucket's references and storage change together: a consumer releasing the last
-reference on one thread and a gather materializing the next microbatch's copy on another never
-leave a referenced bucket without storage."""
+"""ZeRO buckets on one rank: a ZeRO-3 bucket's references and storage change together (a
+consumer releasing the last reference on one thread and a gather materializing the next
+microbatch's copy on another never leave a referenced bucket without storage), and a
+microbatch's handed-over gradients count as memory until their reduction is done."""
 import functools
 import threading
 import time
@@ -48,3 +49,25 @@ def test_release_and_the_next_gather_do_not_interleave():
     assert bucket.refs == 1
     assert bucket.materialized, "a referenced bucket lost its storage to the release before it"
     assert torch.equal(bucket.flat, full)
+
+
+def test_a_handed_over_gradient_counts_until_it_is_reduced():
+    """ZeRO-2/3: a backward hands its microbatch's gradients to a reduce-scatter on another
+    stream; they are memory until the reduction is done, not only until it starts."""
+    torch.manual_seed(0)
+    model, cfg = build_toy_lm(stages=1, layers=1)
+    x, y = lm_batch(cfg, 8)
+    program = capture(model, lm_loss, (x,), y)
+    sch = apply_recipe(Schedule(program, pp=1, dp=2), "1f1b", microbatches=4, zero=2)
+    plan = build_plan(sch.dag, sch.grid)
+    state = RankState(0, plan, program, model, lm_loss, functools.partial(torch.optim.SGD, lr=0.1))
+    node = next(n for n in plan.dag.nodes.values() if n.kind == Kind.REDUCE_SCATTER and n.phase == "B")
+    bucket = state.buckets[(node.region, node.bucket)]
+    before = state.meter.current
+    state.deliver_to(node.key, "grads", bucket.flat_grad(take=True))
+    held = state.meter.current - before
+    assert held == bucket.padded * 4
+    grads = comm_ops.payload(state, node)
+    assert state.meter.current - before == held, "still in use by the reduction"
+    comm_ops.absorb(state, node, grads.chunk(2)[0].clone())
+    assert state.meter.current == before

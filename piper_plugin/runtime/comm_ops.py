@@ -40,7 +40,7 @@ def payload(state: RankState, node: Node):
         return p.grad if p.grad is not None else torch.zeros_like(p)
     bucket = state.buckets[(node.region, node.bucket)]
     if node.kind == Kind.REDUCE_SCATTER and node.phase == "B":
-        return state.take(node.key)["grads"]  # handed over by this microbatch's backward
+        return state.take(node.key, counted=True)["grads"]  # this microbatch's, held until reduced
     if node.kind in (Kind.ALL_REDUCE, Kind.REDUCE_SCATTER):
         return bucket.flat_grad(take=True)
     return bucket.shard_data()  # ALL_GATHER
@@ -60,6 +60,8 @@ def absorb(state: RankState, node: Node, result) -> None:
             bucket.set_grad(result)
         elif node.kind == Kind.REDUCE_SCATTER:
             bucket.add_shard_grad(result)
+            if node.phase == "B":  # the handed-over gradient (bucket.flat_grad) is reduced: it goes
+                state.meter.add(-bucket.padded * bucket.flat.element_size())
         else:
             if node.phase in ("F", "B"):  # ZeRO-3: parameters do not change within a step
                 with state.bucket_lock:  # not while a consumer on another thread releases it

@@ -166,7 +166,9 @@ class RankState:
             self.inbox.setdefault(key, {})[value] = tensor
         self.meter.add(_nbytes(tensor))
 
-    def take(self, key: str) -> dict[str, torch.Tensor]:
+    def take(self, key: str, counted: bool = False) -> dict[str, torch.Tensor]:
+        """``key``'s inbox. The values leave the meter, unless ``counted``: then whoever took
+        them subtracts them once they are gone."""
         with self._lock:
             box = self.inbox.pop(key, None)
         if not box:
@@ -175,7 +177,8 @@ class RankState:
             for t in box.values():
                 if isinstance(t, torch.Tensor):
                     t.record_stream(torch.cuda.current_stream(self.device))
-        self.meter.add(-sum(map(_nbytes, box.values())))
+        if not counted:
+            self.meter.add(-sum(map(_nbytes, box.values())))
         return box
 
     def finished(self, key: str) -> None:
