@@ -6,8 +6,9 @@ Sections (each prints its figures and whether its goal holds; the exit code is 1
    stream of its own, so the rank runs two CUDA streams joined by events wherever a dependency
    crosses them. Loss per step, last gradients and final parameters against single-device fp32
    training on the CPU (goal: relative error < ``--tol``).
-2. *memory*: that run's transient peak per step, from the CUDA allocator (peak above what was
-   allocated when the step began), against the simulator's (goal: within 10%).
+2. *memory*: that run's peak per step from the CUDA allocator, less the parameters, gradients
+   and optimizer state the rank keeps, against the simulator's transient peak (goal: within
+   10%); the whole peak against the simulator's too.
 3. *nccl* (one GPU per rank: NCCL refuses two ranks on one GPU): 1F1B and DualPipeV on two ranks
    and ZeRO-3 on two data-parallel ranks against single-device training, with each rank's
    transient peak against the simulator's; then the ZeRO-3 plan with its gathers and
@@ -88,8 +89,10 @@ def _train(job) -> dict[str, Any]:
     later = [m for m in metrics if m["step"] >= min(2, job.steps - 1)]  # replayed / warm steps
     memory = []
     for rank in range(plan.grid.world_size):
-        measured = statistics.median(m["transient_peak_bytes"] for m in later if m["rank"] == rank)
-        memory.append((rank, measured, simulated.peak_transient_bytes[rank]))
+        mine = [m for m in later if m["rank"] == rank]
+        memory.append((rank, statistics.median(m["transient_peak_bytes"] for m in mine),
+                       simulated.peak_transient_bytes[rank], statistics.median(m["peak_memory_bytes"] for m in mine),
+                       simulated.per_rank_peak[rank]))
     streams = sorted({s for rp in plan.ranks for s in rp.streams})
     return {"errors": errors, "memory": memory, "streams": streams,
             "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3}
@@ -121,12 +124,18 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _deviation(measured: float, simulated: float) -> float:
+    return measured / simulated - 1 if simulated else float("inf")
+
+
 def _memory_rows(case: str, memory) -> tuple[list[list[Any]], bool]:
+    """Table rows; the goal is on the transient part (activations and what comes and goes)."""
     rows, ok = [], True
-    for rank, measured, simulated in memory:
-        dev = measured / simulated - 1 if simulated else float("inf")
+    for rank, transient, sim_transient, total, sim_total in memory:
+        dev = _deviation(transient, sim_transient)
         ok &= abs(dev) <= MEMORY_GOAL
-        rows.append([case, rank, _mib(measured), _mib(simulated), f"{dev:+.1%}"])
+        rows.append([case, rank, _mib(transient), _mib(sim_transient), f"{dev:+.1%}", _mib(total), _mib(sim_total),
+                     f"{_deviation(total, sim_total):+.1%}"])
     return rows, ok
 
 
@@ -201,8 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# CUDA path check", env, f"Command: `{command_line('cuda_check', args, parser)}`",
         f"## Parity with single-device fp32 training on the CPU ({backend} between ranks; goal < {args.tol:g})",
         markdown_table(["case", "logical streams", "loss", "gradients", "parameters", "median step ms"], parity_rows),
-        "## Transient peak memory per step: measured (allocator on a GPU, meter on a CPU) vs simulated, MiB",
-        markdown_table(["case", "rank", "measured", "simulated", "deviation"], memory_rows),
+        "## Peak memory per step, MiB: measured (allocator on a GPU; kept state plus the meter on a CPU) vs "
+        "simulated. Transient: above the parameters, gradients and optimizer state the rank keeps (goal within "
+        f"{MEMORY_GOAL:.0%}); total: all of it",
+        markdown_table(["case", "rank", "transient", "simulated", "deviation", "total", "simulated", "deviation"],
+                       memory_rows),
         "## Overlap", overlap,
         "## Verdicts", "\n".join(f"- {name}: {'holds' if ok else 'FAILS'}" for name, ok in verdicts.items()),
     ]) + "\n"

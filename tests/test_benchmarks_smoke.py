@@ -121,7 +121,7 @@ def test_cuda_check_smoke(tmp_path, capsys):
     assert all(float(cell) < 1e-5 for row in parity for cell in row[2:5])
     assert [(r[0], r[1]) for r in memory] == [("zb-h1 1 rank, BW stream", "0"), ("1f1b-pp2", "0"), ("1f1b-pp2", "1"),
                                               ("zero3-dp2", "0"), ("zero3-dp2", "1")]
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in memory)
+    assert all(0 < float(r[2]) < float(r[5]) and 0 < float(r[3]) < float(r[6]) for r in memory)
     assert "own comm stream / one stream" in text
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 3 * 2 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
