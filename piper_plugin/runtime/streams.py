@@ -30,9 +30,10 @@ thread issues work on its own CUDA stream, and a CUDA event is recorded and wait
 where a dependency crosses streams; a received value's event is recorded again where its
 completion ran (the completion's wait orders that stream after the transfer), so every consumer
 waits for the arrival, not the post. Every CUDA stream starts the step behind an event on the
-caller's stream (the batch copy and whatever else the caller queued before). The first failure aborts the step: every stream stops at
-its next wait and the caller gets the original exception with the rank and task named. Waits
-are bounded by ``timeout_s``.
+caller's stream (the batch copy and whatever else the caller queued before).
+
+The first failure aborts the step: every stream stops at its next wait and the caller gets the
+original exception with the rank and task named. Waits are bounded by ``timeout_s``.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ both hashes named instead of deadlocking later.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -37,8 +38,6 @@ def run_spmd(job: Job, *, on_metrics: Callable[[dict], None] | None = None) -> d
     """Compile here, check the plan hash across ranks, then train ``job.steps`` steps."""
     from piper_plugin.runtime.launch.processes import _final
     from piper_plugin.runtime.worker import Worker, device_for, init_distributed
-
-    import os
 
     rank = int(os.environ.get("RANK", 0)) if not dist.is_initialized() else dist.get_rank()
     init_distributed(device_for(job.device, rank), job.timeout_s)  # NCCL for --device cuda
