@@ -6,9 +6,10 @@ Sections (each prints its figures and whether its goal holds; the exit code is 1
    stream of its own, so the rank runs two CUDA streams joined by events wherever a dependency
    crosses them. Loss per step, last gradients and final parameters against single-device fp32
    training on the CPU (goal: relative error < ``--tol``).
-2. *memory*: that run's peak per step from the CUDA allocator, less the parameters, gradients
-   and optimizer state the rank keeps, against the simulator's transient peak (goal: within
-   10%); the whole peak against the simulator's too.
+2. *memory*: that run's transient peak per step (the CUDA allocator's peak above what was
+   allocated when the step began and the gradients the step makes) against the simulator's
+   (goal: within 10%); the allocator's whole peak against the simulator's too (it also holds
+   library workspaces the simulator does not know).
 3. *nccl* (one GPU per rank: NCCL refuses two ranks on one GPU): 1F1B and DualPipeV on two ranks
    and ZeRO-3 on two data-parallel ranks against single-device training, with each rank's
    transient peak against the simulator's; then the ZeRO-3 plan with its gathers and

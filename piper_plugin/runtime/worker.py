@@ -56,6 +56,7 @@ class Worker:
                                    sizes=post_sizes(plan, rank))
         self.loss_group = self._loss_group(program)
         self.step_index = 0
+        self.step_base_bytes = 0  # allocated when the current step began (GPU)
         gc.collect()
         gc.freeze()  # model, plan and DAG live for the whole job: keep them out of every collection
 
@@ -88,6 +89,7 @@ class Worker:
         self.state.meter.begin_step(self.state.batch_shapes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.step_base_bytes = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
         self.runner.run_step()
         self.comm.wait_sends()
@@ -112,26 +114,31 @@ class Worker:
         return self.kept_bytes() + self.state.meter.peak
 
     def transient_peak(self) -> int:
-        """This step's peak above the state the rank keeps (:meth:`kept_bytes`): activations,
-        messages, gathered ZeRO-3 buckets, per-microbatch gradients; on a GPU also whatever
-        else the allocator held at the peak (workspaces, temporaries)."""
-        return self.peak_memory() - self.kept_bytes()
+        """This step's peak above the state the rank keeps: activations, messages, gathered
+        ZeRO-3 buckets, per-microbatch gradients. On a GPU: the allocator's peak above what was
+        allocated when the step began (parameters, optimizer state, library workspaces) and the
+        gradients the step makes (UPDATE frees them); on a CPU: the meter's peak."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.step_base_bytes - self.grad_bytes()
+        return self.state.meter.peak
 
     def kept_bytes(self) -> int:
-        """Parameters, gradients and optimizer state this rank keeps through a step. Gradients
-        are counted by size, since UPDATE frees them after every step: the parameters' below
-        ZeRO-2, the shard's from ZeRO-2 on (full ones come and go per microbatch)."""
-        tensors, grads = [], 0
+        """Parameters, gradients and optimizer state this rank keeps through a step."""
+        tensors = []
         for bucket in self.state.buckets.values():
             tensors += [bucket.flat] + ([bucket.shard] if bucket.shard is not None else [])
-            grads += (bucket.shard_numel if bucket.zero >= 2 else bucket.numel) * bucket.flat.element_size()
-        for p in self.state.unbucketed().values():
-            tensors.append(p)
-            grads += p.numel() * p.element_size() if p.requires_grad else 0
+        tensors += list(self.state.unbucketed().values())
         for optimizer in self.state.optimizers.values():
             for per_param in optimizer.state.values():
                 tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return tensor_bytes(tensors) + grads
+        return tensor_bytes(tensors) + self.grad_bytes()
+
+    def grad_bytes(self) -> int:
+        """Gradients, by size (UPDATE frees them after every step): the parameters' below ZeRO-2,
+        the shard's from ZeRO-2 on (full ones come and go per microbatch)."""
+        total = sum((b.shard_numel if b.zero >= 2 else b.numel) * b.flat.element_size()
+                    for b in self.state.buckets.values())
+        return total + sum(p.numel() * p.element_size() for p in self.state.unbucketed().values() if p.requires_grad)
 
 
 def init_distributed(device: torch.device, timeout_s: float, **kwargs: Any) -> None:
