@@ -30,7 +30,6 @@ import functools
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,7 +40,9 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # fp32 matmuls in every rank
 
 import torch
 
-from benchmarks._common import code_version, command_line, lm_config, lm_job, markdown_table, write_result
+from benchmarks._common import (
+    code_version, command_line, lm_config, lm_job, markdown_table, piper_timed_body, slowest_rank_times, write_result,
+)
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.recipes import apply_recipe
 from piper_plugin.runtime.job import compile_job
@@ -99,15 +100,6 @@ def _train(job) -> dict[str, Any]:
             "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3}
 
 
-def _step_times(worker, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        worker.step()
-        times.append(time.perf_counter() - start)
-    return times[1:]
-
-
 def _overlap(args) -> tuple[list[float], list[float]]:
     """Slowest-rank step times of the ZeRO-3 plan with its own comm stream, and on one stream."""
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -116,8 +108,8 @@ def _overlap(args) -> tuple[list[float], list[float]]:
             job = _job(args, recipe="1f1b", pp=1, dp=2, zero=3, one_stream=one_stream)
             job.capture_grads = False
             program, _, plan, _ = compile_job(job)
-            out = run_forked(job, program, plan, body=functools.partial(_step_times, steps=args.steps))
-            times[one_stream] += [max(per_rank) for per_rank in zip(*out.values())]
+            out = run_forked(job, program, plan, body=piper_timed_body(warmup=1, steps=args.steps - 1))
+            times[one_stream] += slowest_rank_times(out)
     return times[False], times[True]
 
 

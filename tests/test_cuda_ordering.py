@@ -41,6 +41,14 @@ def _execute(cuda: FakeCuda, comm, step: int):
     return execute
 
 
+def _check_order(cuda: FakeCuda, plan: RankPlan, step: int, who: str) -> None:
+    """Every task of ``step`` is ordered after the caller's batch copy and after each dependency."""
+    for key, deps in plan.deps.items():
+        after = f"{key}@{step}"
+        assert cuda.ordered(f"batch@{step}", after), f"{who}step {step}: {key} may start before the batch copy"
+        for dep in deps:
+            assert cuda.ordered(f"{dep}@{step}", after), f"{who}step {step}: {key} may start before {dep} finished"
+
 def test_every_dependency_is_ordered_on_the_device(monkeypatch):
     cuda = FakeCuda(monkeypatch)
     comm = cuda.new_stream()
@@ -50,11 +58,7 @@ def test_every_dependency_is_ordered_on_the_device(monkeypatch):
                               inline="compute", posted=["send", "recv"])
         cuda.default.enqueue(f"batch@{step}")  # the caller's work before the step
         runner.run_step()
-        for key, deps in plan.deps.items():
-            after = f"{key}@{step}"
-            assert cuda.ordered(f"batch@{step}", after), f"step {step}: {key} may start before the batch copy"
-            for dep in deps:
-                assert cuda.ordered(f"{dep}@{step}", after), f"step {step}: {key} may start before {dep} finished"
+        _check_order(cuda, plan, step, "")
 
 
 def test_the_model_sees_an_unordered_pair(monkeypatch):
@@ -127,8 +131,4 @@ def test_every_recipe_rank_is_ordered_on_the_device(monkeypatch, recipe, pp, dp,
                                   posted=posted_streams(plan, rank))
             cuda.default.enqueue(f"batch@{step}")
             runner.run_step()
-            for key, deps in rank_plan.deps.items():
-                after = f"{key}@{step}"
-                assert cuda.ordered(f"batch@{step}", after), f"rank {rank} step {step}: {key} before the batch"
-                for dep in deps:
-                    assert cuda.ordered(f"{dep}@{step}", after), f"rank {rank} step {step}: {key} before {dep}"
+            _check_order(cuda, rank_plan, step, f"rank {rank} ")

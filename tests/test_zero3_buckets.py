@@ -18,14 +18,18 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.scheduler.plan import build_plan
 
 
-def test_release_and_the_next_gather_do_not_interleave():
+def _rank_state(zero: int):
+    """Rank 0 of a one-stage toy LM on dp=2 with ZeRO ``zero``, and its plan."""
     torch.manual_seed(0)
     model, cfg = build_toy_lm(stages=1, layers=1)
     x, y = lm_batch(cfg, 8)
     program = capture(model, lm_loss, (x,), y)
-    sch = apply_recipe(Schedule(program, pp=1, dp=2), "1f1b", microbatches=4, zero=3)
+    sch = apply_recipe(Schedule(program, pp=1, dp=2), "1f1b", microbatches=4, zero=zero)
     plan = build_plan(sch.dag, sch.grid)
-    state = RankState(0, plan, program, model, lm_loss, functools.partial(torch.optim.SGD, lr=0.1))
+    return plan, RankState(0, plan, program, model, lm_loss, functools.partial(torch.optim.SGD, lr=0.1))
+
+def test_release_and_the_next_gather_do_not_interleave():
+    plan, state = _rank_state(zero=3)
     first, second = sorted((n for n in plan.dag.nodes.values() if n.kind == Kind.ALL_GATHER and n.phase == "F"),
                            key=lambda n: n.microbatch)[:2]
     bucket = state.buckets[(first.region, first.bucket)]
@@ -54,13 +58,7 @@ def test_release_and_the_next_gather_do_not_interleave():
 def test_a_handed_over_gradient_counts_until_it_is_reduced():
     """ZeRO-2/3: a backward hands its microbatch's gradients to a reduce-scatter on another
     stream; they are memory until the reduction is done, not only until it starts."""
-    torch.manual_seed(0)
-    model, cfg = build_toy_lm(stages=1, layers=1)
-    x, y = lm_batch(cfg, 8)
-    program = capture(model, lm_loss, (x,), y)
-    sch = apply_recipe(Schedule(program, pp=1, dp=2), "1f1b", microbatches=4, zero=2)
-    plan = build_plan(sch.dag, sch.grid)
-    state = RankState(0, plan, program, model, lm_loss, functools.partial(torch.optim.SGD, lr=0.1))
+    plan, state = _rank_state(zero=2)
     node = next(n for n in plan.dag.nodes.values() if n.kind == Kind.REDUCE_SCATTER and n.phase == "B")
     bucket = state.buckets[(node.region, node.bucket)]
     before = state.meter.current
