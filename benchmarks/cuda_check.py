@@ -4,8 +4,10 @@ Sections (each prints its figures and whether its goal holds; the exit code is 1
 
 1. *streams*: one rank, the zero-bubble recipe with every weight-gradient chunk on a logical
    stream of its own, so the rank runs two CUDA streams joined by events wherever a dependency
-   crosses them. Loss per step, last gradients and final parameters against single-device fp32
-   training on the CPU (goal: relative error < ``--tol``).
+   crosses them; and a one-rank 1F1B plan, whose step time is also set against a plain
+   PyTorch step (same microbatches, gradient accumulation). Loss per step, last gradients and
+   final parameters against single-device fp32 training on the CPU (goal: relative error <
+   ``--tol``).
 2. *memory*: that run's transient peak per step (the CUDA allocator's peak above what was
    allocated when the step began and the gradients the step makes) against the simulator's
    (goal: within 10%); the allocator's whole peak against the simulator's too (it also holds
@@ -30,6 +32,7 @@ import functools
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -98,6 +101,32 @@ def _train(job) -> dict[str, Any]:
     streams = sorted({s for rp in plan.ranks for s in rp.streams})
     return {"errors": errors, "memory": memory, "streams": streams,
             "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3}
+
+
+def _plain_step_ms(job, microbatches: int) -> float:
+    """Median step time of the same model trained the plain way on one device: gradients
+    accumulated over the same microbatches, then the optimizer (one torch thread, as a rank)."""
+    device = torch.device("cuda", 0) if job.device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = job.build_model().to(device)
+        optimizer = job.optimizer_fn(list(model.parameters()))
+        data, times = job.data_fn(job.seed), []
+        for _ in range(job.steps):
+            batch = [t.to(device) for t in next(data)]
+            sync()
+            start = time.perf_counter()
+            for *inputs, target in zip(*(t.chunk(microbatches) for t in batch)):
+                job.loss_fn(model(*inputs), target).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times[min(2, len(times) - 1):]) * 1e3
 
 
 def _overlap(args) -> tuple[list[float], list[float]]:
@@ -180,6 +209,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{case}: worst error {e.worst():.1e}, memory {'within' if ok else 'outside'} 10%", flush=True)
 
     record("zb-h1 1 rank, BW stream", _train(_job(args, recipe="zb-h1", pp=1, wgrad_stream=True)))
+    one_rank = _job(args, recipe="1f1b", pp=1)
+    piper_ms = _train(one_rank)
+    record("1f1b 1 rank", piper_ms)
+    plain_ms = _plain_step_ms(one_rank, args.microbatches)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # this process's copy goes before the ranks of later runs start
+    runtime = (f"One rank, 1F1B over {args.microbatches} microbatches: Piper's step / a plain PyTorch step "
+               f"(same model, microbatches and optimizer): {piper_ms['step_ms'] / plain_ms:.3f} "
+               f"({piper_ms['step_ms']:.1f} vs {plain_ms:.1f} ms, medians from step 3 on)")
+    print(runtime, flush=True)
     if ranks_available >= 2:
         for case in args.cases:
             recipe, pp, dp, zero = NCCL_CASES[case]
@@ -208,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{MEMORY_GOAL:.0%}); total: all of it",
         markdown_table(["case", "rank", "transient", "simulated", "deviation", "total", "simulated", "deviation"],
                        memory_rows),
+        "## Runtime cost on one rank", runtime,
         "## Overlap", overlap,
         "## Verdicts", "\n".join(f"- {name}: {'holds' if ok else 'FAILS'}" for name, ok in verdicts.items()),
     ]) + "\n"

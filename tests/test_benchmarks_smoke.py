@@ -116,13 +116,13 @@ def test_cuda_check_smoke(tmp_path, capsys):
     text = out.read_text()
     assert "Command: `python -m benchmarks.cuda_check --device cpu" in text
     parity, memory = _tables(text)
-    assert [(r[0], r[1]) for r in parity] == [("zb-h1 1 rank, BW stream", "compute + wgrad"),
+    assert [(r[0], r[1]) for r in parity] == [("zb-h1 1 rank, BW stream", "compute + wgrad"), ("1f1b 1 rank", "compute"),
                                               ("1f1b-pp2", "compute + p2p:0>1 + p2p:1>0"), ("zero3-dp2", "compute + dp")]
     assert all(float(cell) < 1e-5 for row in parity for cell in row[2:5])
-    assert [(r[0], r[1]) for r in memory] == [("zb-h1 1 rank, BW stream", "0"), ("1f1b-pp2", "0"), ("1f1b-pp2", "1"),
-                                              ("zero3-dp2", "0"), ("zero3-dp2", "1")]
+    assert [(r[0], r[1]) for r in memory] == [("zb-h1 1 rank, BW stream", "0"), ("1f1b 1 rank", "0"), ("1f1b-pp2", "0"),
+                                              ("1f1b-pp2", "1"), ("zero3-dp2", "0"), ("zero3-dp2", "1")]
     assert all(0 < float(r[2]) < float(r[5]) and 0 < float(r[3]) < float(r[6]) for r in memory)
-    assert "own comm stream / one stream" in text
+    assert "own comm stream / one stream" in text and "Piper's step / a plain PyTorch step" in text
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
-    assert len(verdicts) == 3 * 2 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
+    assert len(verdicts) == 4 * 2 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
     assert code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)
