@@ -97,8 +97,10 @@ class PiperPipelineSchedule:
             self._state.meter.track_saved = False
             if not self.split_last_backward:
                 self._state.input_grads_first = set()
+            device = self._device()  # where TorchTitan put the parts: receive buffers go there too
+            self.comm.device = device
             self._runner = StreamRunner(self.rank, self.plan.ranks[self.rank], self._execute, self.timeout_s,
-                                        inline=compute_stream(self.plan, self.rank),
+                                        device=device, inline=compute_stream(self.plan, self.rank),
                                         posted=posted_streams(self.plan, self.rank),
                                         sizes=post_sizes(self.plan, self.rank), after=self._after)
         return self._state
