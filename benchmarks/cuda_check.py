@@ -194,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.tol = args.tol or (1e-4 if args.device == "cuda" else 1e-5)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here; use --device cpu")
+    if args.steps < 2 or args.rounds < 0:
+        parser.error("--steps must be at least 2 (the first is a warm-up) and --rounds at least 0")
     env, ranks_available = _environment(args.device)
     verdicts: dict[str, bool] = {}
     parity_rows, memory_rows = [], []
