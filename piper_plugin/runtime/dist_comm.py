@@ -125,9 +125,17 @@ class DistComm:
             in_flight = sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
             state.meter.add(in_flight)  # the buffers exist from now on
 
+            on_gpu = self.device.type == "cuda"
+
             def complete(seconds: float) -> None:
+                # On a GPU the consumer's stream waits for the message on the device: a timeout
+                # would block this thread until it arrived. NCCL's watchdog ends a rank whose
+                # message never comes once the group's timeout (the job's) has passed.
                 for work in works:
-                    work.wait(timedelta(seconds=seconds))
+                    if on_gpu:
+                        work.wait()
+                    else:
+                        work.wait(timedelta(seconds=seconds))
                 state.meter.add(-in_flight)  # delivered: counted in the inboxes from here
                 comm_ops.absorb(state, node, out)
 
