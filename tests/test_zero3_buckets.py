@@ -69,3 +69,21 @@ def test_a_handed_over_gradient_counts_until_it_is_reduced():
     assert state.meter.current - before == held, "still in use by the reduction"
     comm_ops.absorb(state, node, grads.chunk(2)[0].clone())
     assert state.meter.current == before
+
+
+def test_a_gather_writes_into_the_bucket_unless_a_copy_is_held():
+    """The first gather of a released bucket gets the bucket's own buffer (the collective fills
+    it, no second copy); while that copy is held, later gathers get none and the copy serves."""
+    plan, state = _rank_state(zero=3)
+    first, second = sorted((n for n in plan.dag.nodes.values() if n.kind == Kind.ALL_GATHER and n.phase == "F"),
+                           key=lambda n: n.microbatch)[:2]
+    bucket = state.buckets[(first.region, first.bucket)]
+    assert not bucket.materialized
+    target = comm_ops.gather_target(state, first)
+    assert target is bucket.flat and bucket.materialized and bucket.refs == 1
+    assert state.meter.current == bucket.padded * 4
+    assert comm_ops.gather_target(state, second) is None and bucket.refs == 2
+    for node in (first, second):
+        (consumer,) = plan.dag.data_succ[node.key]
+        state.finished(consumer)
+    assert bucket.refs == 0 and not bucket.materialized and state.meter.current == 0

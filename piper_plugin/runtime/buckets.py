@@ -46,12 +46,16 @@ class FlatBucket:
     def materialized(self) -> bool:
         return self.flat.untyped_storage().nbytes() > 0
 
-    def materialize(self, full: torch.Tensor) -> None:
+    def allocate(self) -> torch.Tensor:
+        """Give the flat buffer its storage back (same storage object) and return it."""
         storage = self.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded * self.flat.element_size())
+        return self.flat
+
+    def materialize(self, full: torch.Tensor) -> None:
         with torch.no_grad():
-            self.flat.copy_(full)
+            self.allocate().copy_(full)
 
     def release(self) -> None:
         self.flat.untyped_storage().resize_(0)

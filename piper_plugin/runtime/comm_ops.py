@@ -13,7 +13,7 @@ import torch
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.rank_state import RankState
 
-__all__ = ["payload", "absorb", "is_dispatch", "tied_param"]
+__all__ = ["payload", "absorb", "gather_target", "is_dispatch", "tied_param"]
 
 
 def is_dispatch(node: Node) -> bool:
@@ -46,6 +46,21 @@ def payload(state: RankState, node: Node):
     return bucket.shard_data()  # ALL_GATHER
 
 
+def gather_target(state: RankState, node: Node) -> torch.Tensor | None:
+    """A ZeRO-3 gather for a forward or backward: count its local consumers on the bucket.
+    Returns the bucket's flat buffer, given storage, when no copy was held (the gathered
+    parameters go there); None when one is held already (parameters do not change within a
+    step, so that copy serves). Serialized with releases (:meth:`RankState.finished`)."""
+    bucket = state.buckets[(node.region, node.bucket)]
+    with state.bucket_lock:
+        fresh = bucket.refs == 0
+        if fresh:
+            state.meter.add(bucket.padded * bucket.flat.element_size())
+            bucket.allocate()
+        bucket.refs += state.local_consumers(node.key)
+    return bucket.flat if fresh else None
+
+
 def absorb(state: RankState, node: Node, result) -> None:
     if node.kind == Kind.RECV:
         state.deliver(node.key, result)
@@ -64,11 +79,10 @@ def absorb(state: RankState, node: Node, result) -> None:
                 state.meter.add(-bucket.padded * bucket.flat.element_size())
         else:
             if node.phase in ("F", "B"):  # ZeRO-3: parameters do not change within a step
-                with state.bucket_lock:  # not while a consumer on another thread releases it
-                    if bucket.refs == 0:
-                        state.meter.add(bucket.padded * bucket.flat.element_size())
-                        bucket.materialize(result)
-                    bucket.refs += state.local_consumers(node.key)
+                target = gather_target(state, node)
+                if target is not None:
+                    with torch.no_grad():
+                        target.copy_(result)
             else:
                 bucket.materialize(result)
     state.finished(node.key)

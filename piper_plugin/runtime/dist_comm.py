@@ -102,7 +102,8 @@ class DistComm:
     def run(self, state: RankState, node: Node) -> Callable[[float], None] | None:
         """Issue ``node``'s operation. SENDs are asynchronous (finished by :meth:`wait_sends`);
         a RECV is posted and returns its completion (wait for the message, then deliver it,
-        within the seconds it is given); collectives block."""
+        within the seconds it is given); collectives block. A ZeRO-3 gather writes straight into
+        the bucket when it gives the bucket its storage (no second copy of the parameters)."""
         dag = self.plan.dag
         if node.kind == Kind.SEND:
             dst, group = self.channel(node)
@@ -140,6 +141,13 @@ class DistComm:
                 comm_ops.absorb(state, node, out)
 
             return complete
+        elif node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):  # ZeRO-3: into the bucket itself
+            members, group = self._group(node)
+            shard = comm_ops.payload(state, node)
+            target = comm_ops.gather_target(state, node)  # None: a copy is held; this one is scratch
+            out = target if target is not None else shard.new_empty(shard.numel() * len(members))
+            _all_gather(out, shard.contiguous(), group=group)
+            state.finished(node.key)
         else:
             members, group = self._group(node)
             comm_ops.absorb(state, node, _collective(node, comm_ops.payload(state, node), len(members), group))
