@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cuda_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", choices=sorted(SIZES), help="toy LM shapes (default: gpu on cuda, small on cpu)")
-    p.add_argument("--steps", type=int, default=4, help="steps per run (figures from step 3 on)")
+    p.add_argument("--steps", type=int, default=6, help="steps per run (figures from step 3 on)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch", type=int, default=16, help="global batch per data-parallel replica")
     p.add_argument("--cases", nargs="*", choices=sorted(NCCL_CASES), default=sorted(NCCL_CASES),
