@@ -80,12 +80,11 @@ class DistComm:
         """Keep ``work`` (and its tensor) until it completes; sends that completed meanwhile
         are let go now (their ``wait`` returns at once, or raises their error), so a step holds
         only the messages still in flight, not every one it sent."""
+        in_flight, done = [(work, tensor)], []
         with self._sends_lock:
-            done = [s for s in self.sends if s[0].is_completed()]
-            if done:
-                gone = {id(w) for w, _ in done}
-                self.sends = [s for s in self.sends if id(s[0]) not in gone]
-            self.sends.append((work, tensor))
+            for sent in self.sends:
+                (done if sent[0].is_completed() else in_flight).append(sent)
+            self.sends = in_flight
         for finished, _ in done:
             finished.wait()
 
