@@ -156,10 +156,13 @@ def run_train(args: argparse.Namespace) -> int:
             f"{args.steps} steps, AdamW lr {args.lr:g}, seed {args.seed}", flush=True)
         progress = Progress(world, args.steps, metrics_file=metrics_file)
         on_metrics = _gathering(progress, leader) if spmd else progress
+        owned = spmd and not _initialized()  # this command makes torchrun's process group: it ends it too
         with warnings.catch_warnings():  # forked ranks inherit the filter
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
             result = run(job, launcher=args.launcher, address=args.address, on_metrics=on_metrics)
         timelines = _timelines(result, spmd)
+        if owned:
+            _end_process_group()
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -208,6 +211,21 @@ def _gathering(progress, leader: bool):
                 progress(m)
 
     return on_metrics
+
+
+def _initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def _end_process_group() -> None:
+    """Every rank is done with collectives, then each destroys its groups: a rank that simply
+    exits leaves its communicators' threads to the interpreter's teardown."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _timelines(result, spmd: bool) -> dict[int, list]:

@@ -175,7 +175,7 @@ def test_spmd_under_torchrun_slow(tmp_path):
     done = _console(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "piper_plugin.cli",
                     "train", "--launcher", "spmd", "--steps", "2", "--metrics", str(metrics), "--trace",
                     str(tmp_path / "t"), timeout=180)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
     assert len(step_lines(done.stdout)) == 2 and done.stdout.count("train    ") == 1
     assert len(read_jsonl(metrics)) == 4
     assert (tmp_path / "t" / "timeline.png").read_bytes()[:8] == PNG_MAGIC
