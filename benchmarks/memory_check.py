@@ -2,9 +2,9 @@
 
 *Measured* is ``Worker.state.meter.peak`` after a step: the transient bytes of one step
 (tensors autograd saved for backward, deduplicated by storage, plus values waiting in
-inboxes and gathered ZeRO-3 buckets). *Simulated* is ``SimResult.peak_transient_bytes``,
-which charges every forward the region's ``activation_bytes`` (``piper_plugin/ir/capture.py``)
-plus received buffers.
+inboxes, messages in flight and gathered ZeRO-3 buckets). *Simulated* is
+``SimResult.peak_transient_bytes``, which charges every forward the region's
+``activation_bytes`` (``piper_plugin/ir/capture.py``) plus messages received and sent.
 
 The table has two pairs of columns. The first compares the two numbers the runtime and the
 scheduler produce. "corrected" recomputes both sides independently, inside this benchmark,

@@ -116,6 +116,7 @@ class PiperPipelineSchedule:
         node = self.plan.dag.nodes[key]
         if node.kind not in COMPUTE:  # messages need no mesh
             return self.comm.run(self._state, node)  # a RECV returns its completion
+        self.comm.retire_sends()  # messages that arrived free their buffers before this task's own
         # a B sending its input gradients first returns its rest
         result = self._in_meshes(lambda: run_compute(self._state, node))
         if isinstance(result, Continue) and self._spmd_context is not None:

@@ -61,7 +61,9 @@ class DistComm:
             raise ValueError(f"process rank {me} is not plan rank {rank} of exactly one replica in {replicas}")
         self.process_rank = mine[0]  # plan rank -> process rank, in this process's replica
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
-        self.sends: list = []  # (work, tensor): a SEND never blocks its stream (buffered, as simulated)
+        # (work, tensor, bytes, meter): a SEND never blocks its stream (buffered, as simulated); its
+        # message stays on its rank's meter until the send completed and was let go
+        self.sends: list = []
         self._sends_lock = threading.Lock()  # sends go out from several streams' threads
         timeout = timedelta(seconds=timeout_s)
         for replica in replicas:
@@ -73,20 +75,30 @@ class DistComm:
     def wait_sends(self) -> None:
         with self._sends_lock:
             sends, self.sends = self.sends, []
-        for work, _ in sends:
+        for work, _, nbytes, meter in sends:
             work.wait()
+            meter.add(-nbytes)
 
-    def _add_send(self, work, tensor: torch.Tensor) -> None:
-        """Keep ``work`` (and its tensor) until it completes; sends that completed meanwhile
-        are let go now (their ``wait`` returns at once, or raises their error), so a step holds
-        only the messages still in flight, not every one it sent."""
-        in_flight, done = [(work, tensor)], []
+    def retire_sends(self) -> None:
+        """Let go of the sends that completed (their ``wait`` returns at once, or raises their
+        error): a step holds only the messages still in flight, not every one it sent. Cheap
+        enough to call before every compute task (a flag check per send in flight)."""
+        if not self.sends:
+            return
+        in_flight, done = [], []
         with self._sends_lock:
             for sent in self.sends:
                 (done if sent[0].is_completed() else in_flight).append(sent)
             self.sends = in_flight
-        for finished, _ in done:
-            finished.wait()
+        for work, _, nbytes, meter in done:
+            meter.add(-nbytes)
+            work.wait()
+
+    def _add_send(self, work, tensor: torch.Tensor, nbytes: int, meter) -> None:
+        """Keep ``work`` and its tensor, counted as ``nbytes`` on ``meter``, until it completes."""
+        self.retire_sends()
+        with self._sends_lock:
+            self.sends.append((work, tensor, nbytes, meter))
 
     def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
         """The other side of a SEND / RECV: its process rank and the pair's communicator."""
@@ -99,18 +111,21 @@ class DistComm:
         return members, self.groups[(node.stream, members)]
 
     def run(self, state: RankState, node: Node) -> Callable[[float], None] | None:
-        """Issue ``node``'s operation. SENDs are asynchronous (finished by :meth:`wait_sends`);
+        """Issue ``node``'s operation. SENDs are asynchronous (let go by :meth:`retire_sends` once
+        done, by :meth:`wait_sends` at the latest);
         a RECV is posted and returns its completion (wait for the message, then deliver it,
         within the seconds it is given); collectives block. A ZeRO-3 gather writes straight into
         the bucket when it gives the bucket its storage (no second copy of the parameters)."""
         dag = self.plan.dag
         if node.kind == Kind.SEND:
             dst, group = self.channel(node)
-            values = comm_ops.payload(state, node)
+            values = state.take(node.key, counted=True)  # counted until the message is out
             for name in sorted(values):
-                if isinstance(values[name], torch.Tensor):
-                    tensor = values[name].contiguous()
-                    self._add_send(dist.isend(tensor, dst=dst, group=group), tensor)
+                value = values[name]
+                if isinstance(value, torch.Tensor):
+                    tensor = value.contiguous()
+                    work = dist.isend(tensor, dst=dst, group=group)
+                    self._add_send(work, tensor, value.numel() * value.element_size(), state.meter)
             state.finished(node.key)
         elif node.kind == Kind.RECV:
             src, group = self.channel(node)

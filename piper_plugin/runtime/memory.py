@@ -2,8 +2,9 @@
 
 Kept: parameters (full, or the ZeRO shard), gradients and optimizer state, counted from the
 tensors themselves. Transient: activations autograd saves for backward (counted through
-saved-tensor hooks, released when autograd drops them), values waiting in inboxes and
-gathered ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
+saved-tensor hooks, released when autograd drops them), values waiting in inboxes, messages
+in flight (receive buffers from their post, sent values until the send is let go) and gathered
+ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
 
 Saved activations change only inside *windows*: the stretch of a compute task where it saves
 them (a chunk's forward) or where autograd releases them (a backward). A hook is a Python call

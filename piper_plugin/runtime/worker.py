@@ -80,6 +80,7 @@ class Worker:
     def _execute(self, key: str):
         node = self.plan.dag.nodes[key]
         if node.kind in COMPUTE:
+            self.comm.retire_sends()  # messages that arrived free their buffers before this task's own
             return run_compute(self.state, node)
         return self.comm.run(self.state, node)  # a RECV returns its completion
 

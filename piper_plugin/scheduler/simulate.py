@@ -237,7 +237,9 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
 class _Memory:
     """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
     a posted stream: when the posting policy posts it) and freed when its last local consumer
-    finishes."""
+    finishes. A sent message is held from its SEND until the sender notices it arrived: the
+    runtime lets go of completed sends as a compute task starts, so at the start of the
+    sender's first compute task after the matching RECV finished (or at the step's end)."""
 
     def __init__(self, plan: Plan, shards: int, post_budget: int):
         self.plan, self.shards, self.post_budget = plan, shards, post_budget
@@ -255,9 +257,20 @@ class _Memory:
         # ZeRO-3 gathers -> [start, end, bucket, bytes]: a rank holds one copy of a bucket while any
         # gather of it is in use (the runtime counts references; parameters do not change in a step)
         self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
+        self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
+        self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
+        if node.is_compute and self.arrived[r]:
+            self._let_go(r, start)
+        elif node.kind == Kind.SEND and node.bytes:
+            self.events[r].append((start, node.bytes))
+            self.sent[(key, r)] = node.bytes
+        elif node.kind == Kind.RECV and node.bytes:
+            dag = self.plan.dag
+            sender = self.plan.grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
+            self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
         if node.kind in self.holding:
             held = self.held.get(key)
             if held is None:
@@ -298,6 +311,17 @@ class _Memory:
                     else:
                         events.append((finish, -nbytes))
                     del waiting[producer]
+
+    def _let_go(self, r: int, start: float) -> None:
+        """Sends that arrived before a compute task starting at ``start`` on rank ``r`` free
+        their buffers then."""
+        waiting = []
+        for arrival, nbytes in self.arrived[r]:
+            if arrival < start:
+                self.events[r].append((start, -nbytes))
+            else:
+                waiting.append((arrival, nbytes))
+        self.arrived[r] = waiting
 
     def peaks(self) -> list[int]:
         out = []
