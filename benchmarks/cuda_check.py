@@ -8,6 +8,9 @@ Sections (each prints its figures and whether its goal holds; the exit code is 1
    PyTorch step (same microbatches, gradient accumulation). Loss per step, last gradients and
    final parameters against single-device fp32 training on the CPU (goal: relative error <
    ``--tol``).
+   The last step's measured timeline (device time on a GPU: timing events around each task
+   on its CUDA stream) gives the bubble next to the simulator's; the compute tasks of one
+   stream must not overlap in it and every task must lie within the step's span.
 2. *memory*: that run's transient peak per step (the CUDA allocator's peak above what was
    allocated when the step began and the gradients the step makes) against the simulator's
    (goal: within 10%); the allocator's whole peak against the simulator's too (it also holds
@@ -51,6 +54,7 @@ from piper_plugin.recipes import apply_recipe
 from piper_plugin.runtime.job import compile_job
 from piper_plugin.runtime.launch.processes import run_forked
 from piper_plugin.runtime.parity import single_device_errors
+from piper_plugin.train_report import measured_result
 
 __all__ = ["main", "build_parser"]
 
@@ -99,8 +103,35 @@ def _train(job) -> dict[str, Any]:
                        simulated.peak_transient_bytes[rank], statistics.median(m["peak_memory_bytes"] for m in mine),
                        simulated.per_rank_peak[rank]))
     streams = sorted({s for rp in plan.ranks for s in rp.streams})
+    timelines = {r: out["timeline"] for r, out in per_rank.items()}
+    last_step_s = max(m["step_time_s"] for m in metrics if m["step"] == job.steps - 1)
     return {"errors": errors, "memory": memory, "streams": streams,
-            "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3}
+            "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3,
+            "bubble": (measured_result(plan, timelines).bubble_fraction, simulated.bubble_fraction),
+            "timeline_faults": _timeline_faults(plan, timelines, last_step_s)}
+
+
+def _timeline_faults(plan, timelines: dict[int, list], step_s: float) -> list[str]:
+    """What is wrong with a measured last step: compute tasks of one stream that overlap (a
+    stream runs one task at a time; on a GPU that says the timing events sit on the wrong
+    stream) or a rank's span longer than its slowest rank's step (1% slack)."""
+    faults = []
+    for rank, timeline in sorted(timelines.items()):
+        by_stream: dict[str, list[tuple[float, float, str]]] = {}
+        for stream, key, start, end in timeline:
+            if end < start:
+                faults.append(f"rank {rank} {key} ends before it starts")
+            if plan.node(key).is_compute:
+                by_stream.setdefault(stream, []).append((start, end, key))
+        for stream, spans in by_stream.items():
+            spans.sort()
+            for (_, end, key), (start, _, nxt) in zip(spans, spans[1:]):
+                if start < end - 1e-6:
+                    faults.append(f"rank {rank} {stream}: {nxt} starts {(end - start) * 1e3:.3f} ms before {key} ends")
+        span = max(e for *_, e in timeline) - min(s for _, _, s, _ in timeline)
+        if span > step_s * 1.01:
+            faults.append(f"rank {rank}: timeline spans {span * 1e3:.1f} ms, the step took {step_s * 1e3:.1f} ms")
+    return faults
 
 
 def _plain_step_ms(job, microbatches: int) -> float:
@@ -203,8 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def record(case: str, result: dict[str, Any]) -> None:
         e = result["errors"]
         verdicts[f"parity {case}"] = e.worst() < args.tol
+        measured_bubble, simulated_bubble = result["bubble"]
         parity_rows.append([case, " + ".join(result["streams"]), f"{e.loss:.1e}", f"{e.grad:.1e}", f"{e.param:.1e}",
-                            f"{result['step_ms']:.1f}"])
+                            f"{result['step_ms']:.1f}", f"{measured_bubble:.1%} / {simulated_bubble:.1%}"])
+        verdicts[f"timeline {case}"] = not result["timeline_faults"]
+        for fault in result["timeline_faults"][:5]:
+            print(f"{case}: timeline: {fault}", flush=True)
         rows, ok = _memory_rows(case, result["memory"])
         verdicts[f"memory {case}"] = ok
         memory_rows.extend(rows)
@@ -240,10 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         overlap = "Not run (--rounds 0)."
 
     backend = "NCCL" if args.device == "cuda" else "gloo"
+    timeline_kind = ("device time: timing events around each task on its CUDA stream" if args.device == "cuda"
+                     else "host time")
     text = "\n\n".join([
         "# CUDA path check", env, f"Command: `{command_line('cuda_check', args, parser)}`",
         f"## Parity with single-device fp32 training on the CPU ({backend} between ranks; goal < {args.tol:g})",
-        markdown_table(["case", "logical streams", "loss", "gradients", "parameters", "median step ms"], parity_rows),
+        markdown_table(["case", "logical streams", "loss", "gradients", "parameters", "median step ms",
+                        "bubble, last step: measured / simulated"], parity_rows),
+        f"Measured bubble: 1 - compute / step span of the last step's timeline ({timeline_kind}), mean over "
+        "ranks; simulated: F=1 B=2 W=1, free communication.",
         "## Peak memory per step, MiB: measured (allocator on a GPU; kept state plus the meter on a CPU) vs "
         "simulated. Transient: above the parameters, gradients and optimizer state the rank keeps (goal within "
         f"{MEMORY_GOAL:.0%}); total: all of it",

@@ -5,6 +5,11 @@ every other stream are ordered before its next one; ``wait_event`` merges an eve
 (transitively, since an event carries its stream's frontier) into the waiting stream. The current
 stream is per thread, as in torch. :meth:`FakeCuda.ordered` answers whether one operation must
 finish before another starts, which is all a GPU guarantees.
+
+Device time: an operation given a ``duration`` starts once everything ordered before it ended
+(as soon as possible, as if the device had room for every stream) and runs that long; an event
+holds the time its stream reached it, and ``elapsed_time`` (milliseconds) is read from those,
+only between events made with ``enable_timing=True``, as on a GPU.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ class FakeStream:
     def __init__(self, cuda: "FakeCuda", name: str):
         self.cuda, self.name = cuda, name
         self.ops: list[str] = []
+        self.ends: list[float] = []  # device time each operation ends
         self.frontier: dict[str, int] = {}
+        cuda.streams[name] = self
 
     def wait_event(self, event: "FakeEvent") -> None:
         with self.cuda.lock:
@@ -30,9 +37,17 @@ class FakeStream:
         event.record(other)
         self.wait_event(event)
 
-    def enqueue(self, op: str) -> None:
+    def reached(self) -> float:
+        """Device time at which this stream's next operation may start."""
+        streams = self.cuda.streams
+        ends = [self.ends[-1]] if self.ends else []
+        ends += [streams[s].ends[n - 1] for s, n in self.frontier.items() if n > 0]
+        return max(ends, default=0.0)
+
+    def enqueue(self, op: str, duration: float = 0.0) -> None:
         with self.cuda.lock:
             self.cuda.where[op] = (self.name, len(self.ops), dict(self.frontier))
+            self.ends.append(self.reached() + duration)
             self.ops.append(op)
 
     def synchronize(self) -> None:
@@ -40,14 +55,20 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, cuda: "FakeCuda"):
-        self.cuda = cuda
-        self.stream, self.position, self.frontier = "", 0, {}
+    def __init__(self, cuda: "FakeCuda", enable_timing: bool = False):
+        self.cuda, self.timing = cuda, enable_timing
+        self.stream, self.position, self.frontier, self.time = "", 0, {}, 0.0
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or self.cuda.current_stream()
         with self.cuda.lock:
             self.stream, self.position, self.frontier = stream.name, len(stream.ops), dict(stream.frontier)
+            self.time = stream.reached()
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        return (end.time - self.time) * 1e3
 
 
 class FakeCuda:
@@ -55,13 +76,14 @@ class FakeCuda:
 
     def __init__(self, monkeypatch):
         self.lock = threading.RLock()
+        self.streams: dict[str, FakeStream] = {}
         self.where: dict[str, tuple[str, int, dict[str, int]]] = {}
         self.default = FakeStream(self, "default")
         self.local = threading.local()
         self.count = 0
-        for name, value in {"Stream": self.new_stream, "Event": lambda: FakeEvent(self),
+        for name, value in {"Stream": self.new_stream, "Event": lambda **kw: FakeEvent(self, **kw),
                             "current_stream": self.current_stream, "set_stream": self.set_stream,
-                            "set_device": lambda device: None}.items():
+                            "set_device": lambda device: None, "synchronize": lambda device=None: None}.items():
             monkeypatch.setattr(torch.cuda, name, value)
 
     def new_stream(self, device=None) -> FakeStream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` lives at the repo root
 
@@ -109,7 +110,8 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
 
 def test_cuda_check_smoke(tmp_path, capsys):
     """The GPU session's script, on gloo: the two-stream rank, a pipeline and ZeRO-3 against one
-    device, memory against the simulator, the overlap A/B; its exit code follows its verdicts."""
+    device, their timelines, memory against the simulator, the overlap A/B; its exit code
+    follows its verdicts."""
     out = tmp_path / "cuda.md"
     code = cuda_check.main(["--device", "cpu", "--steps", "3", "--rounds", "1", "--cases", "1f1b-pp2", "zero3-dp2",
                             "--out", str(out)])
@@ -124,5 +126,24 @@ def test_cuda_check_smoke(tmp_path, capsys):
     assert all(0 < float(r[2]) < float(r[5]) and 0 < float(r[3]) < float(r[6]) for r in memory)
     assert "own comm stream / one stream" in text and "Piper's step / a plain PyTorch step" in text
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
-    assert len(verdicts) == 4 * 2 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
+    assert len(verdicts) == 4 * 3 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
+    assert all(v.endswith("holds") for v in verdicts if v.startswith("- timeline"))  # host time here
+    bubbles = [row[6].split(" / ") for row in parity]
+    assert all(0 <= float(m.rstrip("%")) < 100 and 0 <= float(s.rstrip("%")) < 100 for m, s in bubbles)
     assert code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)
+
+
+def test_cuda_check_flags_a_timeline_no_stream_could_run():
+    """Posted messages may overlap; compute tasks of one stream may not, and no rank's span may
+    exceed the step (what misplaced timing events on a GPU would show)."""
+    class _Plan:
+        def node(self, key):
+            return SimpleNamespace(is_compute=not key.startswith("RECV"))
+
+    good = [("compute", "F0", 0.0, 1.0), ("compute", "F1", 1.0, 2.0), ("p2p", "RECV0", 0.5, 3.0),
+            ("p2p", "RECV1", 0.6, 3.0)]
+    assert cuda_check._timeline_faults(_Plan(), {0: good}, 3.0) == []
+    bad = [("compute", "F0", 0.0, 1.0), ("compute", "F1", 0.5, 2.0)]
+    faults = cuda_check._timeline_faults(_Plan(), {0: bad}, 1.0)
+    assert faults == ["rank 0 compute: F1 starts 500.000 ms before F0 ends",
+                      "rank 0: timeline spans 2000.0 ms, the step took 1000.0 ms"]

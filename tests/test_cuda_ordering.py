@@ -61,6 +61,40 @@ def test_every_dependency_is_ordered_on_the_device(monkeypatch):
         _check_order(cuda, plan, step, "")
 
 
+def test_the_gpu_timeline_is_device_time(monkeypatch):
+    """On a GPU a task's timeline entry spans its kernels on the device, not the host's issuing
+    of them (microseconds here): f0 takes 3 units, then f1 2 after it and after r0 arrived (1
+    unit of transfer), g1 4 on its own stream after r0; the origin is the step-start event."""
+    cuda = FakeCuda(monkeypatch)
+    comm = cuda.new_stream()
+    took = {"f0": 3.0, "f1": 2.0, "g1": 4.0, "r0": 1.0, "s1": 0.5}
+
+    def execute(key: str):
+        if key[0] not in "rs":
+            cuda.current_stream().enqueue(key, took[key])
+            return None
+        comm.wait_stream(cuda.current_stream())
+        comm.enqueue(key, took[key])
+        if key[0] == "s":
+            return None
+        return lambda seconds: cuda.current_stream().wait_stream(comm)
+
+    runner = StreamRunner(0, _plan(), execute, timeout_s=10, device=torch.device("cuda", 0),
+                          inline="compute", posted=["send", "recv"])
+    cuda.default.enqueue("batch", 5.0)  # queued before the step: the origin is where it ends
+    runner.run_step()
+    span = {key: (start, end) for _, key, start, end in runner.timeline}
+    origin = span["f0"][0]
+    assert span["f0"][1] - origin == pytest.approx(3.0)
+    assert min(start for start, _ in span.values()) == pytest.approx(origin)
+    for key in ("f1", "g1"):
+        assert span[key][1] - span[key][0] == pytest.approx(took[key])
+        assert span[key][0] >= span["r0"][1] - 1e-9  # after the message's arrival on its stream
+    assert span["f1"][0] >= span["f0"][1] - 1e-9
+    assert span["r0"][1] - span["r0"][0] >= took["r0"] - 1e-9
+    assert span["s1"][0] >= max(span["f1"][1], span["g1"][1]) - 1e-9
+
+
 def test_the_model_sees_an_unordered_pair(monkeypatch):
     """The check above can fail: two streams with no event between them are unordered."""
     cuda = FakeCuda(monkeypatch)

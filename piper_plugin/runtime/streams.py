@@ -30,7 +30,8 @@ thread issues work on its own CUDA stream, and a CUDA event is recorded and wait
 where a dependency crosses streams; a received value's event is recorded again where its
 completion ran (the completion's wait orders that stream after the transfer), so every consumer
 waits for the arrival, not the post. Every CUDA stream starts the step behind an event on the
-caller's stream (the batch copy and whatever else the caller queued before).
+caller's stream (the batch copy and whatever else the caller queued before). The timeline is
+host time on a CPU; on a GPU, timing events around each task on its stream (device time).
 
 The first failure aborts the step: every stream stops at its next wait and the caller gets the
 original exception with the rank and task named. Waits are bounded by ``timeout_s``.
@@ -121,9 +122,10 @@ class _Step:
         self.heads: dict[str, tuple[str, ...]] = {}  # what each stream is doing; words only on a timeout
         self.cuda_events: dict[str, torch.cuda.Event] = {}
         self.ambient = None  # on a GPU: the caller's stream at step start (its batch copy, ...)
-        if runner.cuda:
-            self.ambient = torch.cuda.Event()
+        if runner.cuda:  # also the timeline's origin: its device time is taken as this host time
+            self.ambient = torch.cuda.Event(enable_timing=True)
             self.ambient.record(torch.cuda.current_stream(runner.device))
+            self.origin = time.perf_counter()
         # posted streams: next index to post, completions not yet run, one lock per stream
         self.next = {s: 0 for s in runner.posted}
         self.outstanding = {s: 0 for s in runner.posted}
@@ -189,7 +191,7 @@ class _Step:
             if self.r.cuda and key in self.r.crossed:  # the message is here only from now on: every
                 self.record(key)  # later waiter on another stream waits for this point, not the post
             holder.clear()
-            self.timeline.append((stream, key, start, time.perf_counter()))
+            self.timeline.append((stream, key, start, self.stamp()))
         with self.locks[stream]:
             self.outstanding[stream] -= 1
             self.outstanding_bytes[stream] -= self.r.sizes[key]
@@ -237,11 +239,11 @@ class _Step:
         return entry is not None and bool(entry[1])
 
     def _post_one(self, stream: str, key: str) -> None:
-        start = time.perf_counter()
         try:
             if self.r.cuda:
                 for dep in self.r.cross[key]:
                     torch.cuda.current_stream().wait_event(self.cuda_events[dep])
+            start = self.stamp()
             completion = self.r.execute(key)
         except BaseException as exc:  # noqa: BLE001 - reported with its traceback
             raise self.failed(key, stream, exc) from None
@@ -250,7 +252,7 @@ class _Step:
             self.outstanding[stream] += 1
             self.outstanding_bytes[stream] += self.r.sizes[key]
         else:
-            self.timeline.append((stream, key, start, time.perf_counter()))
+            self.timeline.append((stream, key, start, self.stamp()))
         self.signal(key)
 
     def signal(self, key: str) -> None:
@@ -258,6 +260,25 @@ class _Step:
             self.record(key)
         if key in self.done:
             self.done[key].set()
+
+    def stamp(self):
+        """Now, for the timeline: the host clock on a CPU; on a GPU a timing event on the current
+        stream, read after the step (:meth:`device_timeline`), so a task spans its kernels, not
+        the host's issuing of them."""
+        if not self.r.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def device_timeline(self) -> list[tuple[str, str, float, float]]:
+        """The GPU timeline in host seconds: every event's device time after the step-start
+        event, counted from the host time that event was recorded (exact when the caller's
+        stream had nothing queued then; otherwise a rank's timeline shifts by that backlog)."""
+        torch.cuda.synchronize(self.r.device)
+        since = self.ambient.elapsed_time  # milliseconds
+        return [(stream, key, self.origin + since(a) / 1e3, self.origin + since(b) / 1e3)
+                for stream, key, a, b in self.timeline]
 
     def record(self, key: str) -> None:
         """Mark ``key``'s work on the current CUDA stream: cross-stream waiters wait for it."""
@@ -287,7 +308,7 @@ class _Step:
                     for dep in self.r.cross[key]:
                         torch.cuda.current_stream().wait_event(self.cuda_events[dep])
                 self.heads[stream] = ("run", key)
-                start = time.perf_counter()
+                start = self.stamp()
                 completion = self.r.execute(key)
                 rest = None
                 if isinstance(completion, Continue):
@@ -295,12 +316,12 @@ class _Step:
                 if completion is not None:  # a posting op on a threaded stream: finish it here
                     completion(max(self.deadline - time.monotonic(), 0.001))
                 if rest is None:
-                    self.timeline.append((stream, key, start, time.perf_counter()))
+                    self.timeline.append((stream, key, start, self.stamp()))
                 self.signal(key)
                 self.post_all()  # e.g. a SEND goes out right after the chunk that made it
                 if rest is not None:  # the task's second part, after the messages its first enabled
                     rest()
-                    self.timeline.append((stream, key, start, time.perf_counter()))
+                    self.timeline.append((stream, key, start, self.stamp()))
                 if self.r.after is not None:  # host work that must not delay those messages
                     self.r.after(key)
             if drain:  # the caller posts and completes what is left
@@ -346,4 +367,4 @@ class _Step:
             raise self.failure[0]
         for cuda_stream in r.cuda_streams.values():
             cuda_stream.synchronize()  # the step's results are ready for the host and every stream
-        r.timeline = self.timeline
+        r.timeline = self.device_timeline() if r.cuda else self.timeline
