@@ -125,7 +125,8 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from piper_plugin.train_report import Progress, measured_result, write_trace
+    from piper_plugin.scheduler.simulate import simulate
+    from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
 
     setup = _setup(args)
@@ -178,8 +179,12 @@ def run_train(args: argparse.Namespace) -> int:
 
         _, _, plan, simulated = compile_job(job)
     measured = measured_result(plan, timelines)
+    calibrated = simulate(plan, measured_costs(plan, measured))
     print(f"bubble   measured {measured.bubble_fraction:.1%} (last step, 1 - compute / step span, mean over "
           f"ranks)   simulated {simulated.bubble_fraction:.1%} (F=1 B=2 W=1, free comm)")
+    print(f"         simulated with the last step's task times: bubble {calibrated.bubble_fraction:.1%}, step "
+          f"{calibrated.step_time * 1e3:.1f} ms vs {measured.step_time * 1e3:.1f} ms measured (the rest: "
+          f"messages, waits, runtime)")
     if args.metrics:
         print(f"wrote    {args.metrics} ({world * len(progress.done)} lines: steps x ranks)")
     if args.trace:

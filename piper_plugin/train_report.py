@@ -19,7 +19,7 @@ from typing import IO, Any, Callable, Mapping
 
 from piper_plugin.scheduler.simulate import SimResult
 
-__all__ = ["StepStats", "Progress", "measured_result", "write_trace", "human_bytes"]
+__all__ = ["StepStats", "Progress", "measured_result", "measured_costs", "write_trace", "human_bytes"]
 
 
 def human_bytes(n: float) -> str:
@@ -130,6 +130,21 @@ def measured_result(plan, timelines: Mapping[int, list[tuple[str, str, float, fl
     timeline = [(r, stream, key, s - t0, e - t0) for r, stream, key, s, e in events]
     return SimResult(step_time=span, busy=busy, timeline=timeline, static_bytes=[{} for _ in range(world)],
                      peak_transient_bytes=[0] * world)
+
+
+def measured_costs(plan, measured: SimResult):
+    """A cost model with each compute task's measured time: per (kind, region), the mean over
+    ranks and microbatches of ``measured``'s timeline (so a rank's compute adds up to what it
+    measured), communication free. Simulating the plan with it gives the schedule's own bubble
+    at these task times; what the measured step has beyond that is messages, waits, runtime."""
+    from piper_plugin.scheduler.cost import CostModel
+
+    durations: dict[tuple[str, str], list[float]] = {}
+    for _, _, key, start, end in measured.timeline:
+        node = plan.node(key)
+        if node.is_compute:
+            durations.setdefault((node.kind.value, node.region), []).append(end - start)
+    return CostModel(per_task={task: statistics.fmean(times) for task, times in durations.items()})
 
 
 def write_trace(directory: Path, plan, measured: SimResult, simulated: SimResult, name: str) -> list[Path]:

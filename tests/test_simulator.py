@@ -131,3 +131,21 @@ def test_comm_cost_lengthens_the_step():
     _, free = _simulate("1f1b", 2, 4, dp=2)
     _, slow = _simulate("1f1b", 2, 4, dp=2, cost=CostModel(latency=0.5))
     assert slow.step_time > free.step_time
+
+
+def test_measured_task_times_drive_the_simulation():
+    """``measured_costs`` gives each (kind, region) its mean time in a timeline: fed the
+    timeline of a simulation, simulating again reproduces it; means keep each rank's total."""
+    from types import SimpleNamespace
+
+    from piper_plugin.train_report import measured_costs
+
+    plan, _ = _simulate("1f1b", 2, 4)
+    uniform = simulate(plan, CostModel.uniform(F=1e-3, B=3e-3))
+    again = simulate(plan, measured_costs(plan, uniform))
+    assert again.step_time == pytest.approx(uniform.step_time)
+    assert again.bubble_fraction == pytest.approx(uniform.bubble_fraction)
+    forwards = sorted(k for k in plan.ranks[0].deps if plan.dag.nodes[k].kind.value == "F")
+    timeline = [(0, "compute", k, 0.0, 1.0 if i % 2 else 3.0) for i, k in enumerate(forwards)]
+    costs = measured_costs(plan, SimpleNamespace(timeline=timeline))
+    assert costs.per_task == {("F", plan.dag.nodes[forwards[0]].region): pytest.approx(2.0)}

@@ -98,6 +98,11 @@ def test_trace_writes_measured_trace_and_pictures(capsys, tmp_path):
     measured = float(re.search(r"measured ([\d.]+)%", bubble)[1])
     assert 0 < measured < 100 and trace["otherData"]["bubble_fraction"] == pytest.approx(measured / 100, abs=6e-4)
     assert "simulated 20.0%" in bubble  # 1F1B, p=2, m=4
+    lines = out.splitlines()
+    calibrated = lines[lines.index(bubble) + 1]
+    found = re.search(r"task times: bubble ([\d.]+)%, step ([\d.]+) ms vs ([\d.]+) ms measured", calibrated)
+    assert found, calibrated
+    assert 0 < float(found[1]) < 100 and float(found[3]) == pytest.approx(trace["otherData"]["step_time_s"] * 1e3, abs=0.06)
 
 
 BAD = [

@@ -1,7 +1,8 @@
 """Cost model for the simulator: compute time per chunk kind, alpha-beta communication.
 
 ``uniform`` gives every region the same F / B / BI / BW time (textbook formulas); ``from_flops``
-derives compute time from each region's FLOPs for one microbatch of one data shard.
+derives compute time from each region's FLOPs for one microbatch of one data shard;
+``per_task`` sets the time of a (kind, region) outright (measured times, for one).
 Collective time follows ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather,
 reduce-scatter and all-to-all (n-1)/n.
 """
@@ -26,6 +27,7 @@ class CostModel:
     seconds_per_byte: float = 0.0  # 1 / bandwidth (beta)
     flops_per_second: float | None = None  # if set, compute time comes from region FLOPs
     per_region: dict[str, float] = field(default_factory=dict)  # multiplier per region
+    per_task: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, region) -> seconds, first
 
     @classmethod
     def uniform(cls, F: float = 1.0, B: float = 2.0, W: float | None = None, comm: float = 0.0) -> "CostModel":
@@ -39,6 +41,10 @@ class CostModel:
         return cls(flops_per_second=2e10, latency=2e-4, seconds_per_byte=1e-9, UPDATE=0.0)
 
     def compute(self, dag: DAG, node: Node) -> float:
+        if self.per_task:
+            seconds = self.per_task.get((node.kind.value, node.region))
+            if seconds is not None:
+                return seconds
         if self.flops_per_second is not None:
             region = dag.regions[node.region]
             shards = int(dag.meta.get("microbatches", 1)) * _data_shards(dag)
