@@ -128,8 +128,8 @@ def test_cuda_check_smoke(tmp_path, capsys):
     verdicts = [line for line in text.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 4 * 3 + 1 and all(v.endswith(("holds", "FAILS")) for v in verdicts)
     assert all(v.endswith("holds") for v in verdicts if v.startswith("- timeline"))  # host time here
-    bubbles = [row[6].split(" / ") for row in parity]
-    assert all(0 <= float(m.rstrip("%")) < 100 and 0 <= float(s.rstrip("%")) < 100 for m, s in bubbles)
+    bubbles = [[float(b.rstrip("%")) for b in row[6].split(" / ")] for row in parity]
+    assert all(len(b) == 3 and all(0 <= x < 100 for x in b) for b in bubbles)
     assert code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)
 
 

@@ -36,7 +36,7 @@ class DeadlockError(RuntimeError):
 @dataclass
 class SimResult:
     step_time: float
-    busy: list[float]
+    busy: list[float]  # per rank: compute time (chunks and optimizer updates)
     timeline: list[tuple[int, str, str, float, float]]  # rank, stream, key, start, end
     static_bytes: list[dict[str, int]]
     peak_transient_bytes: list[int]
@@ -120,7 +120,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     placement = dag.meta.get("placement", {})
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
-    RECV, SEND, UPDATE = Kind.RECV, Kind.SEND, Kind.UPDATE
+    RECV, SEND = Kind.RECV, Kind.SEND
 
     def group(node, r: int) -> tuple[int, ...]:
         """The group of ``node``'s collective that holds rank ``r``."""
@@ -189,8 +189,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             start = t
             duration = cost.compute(dag, node)
             compute_free[r] = start + duration
-            if kind != UPDATE:
-                busy[r] += duration
+            busy[r] += duration  # an UPDATE is compute too, as in a measured timeline
         else:
             start = t
             size = len(group(node, r)) if node.axis else 2
