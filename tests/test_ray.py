@@ -1,6 +1,8 @@
 """Launch mode Ray: the driver compiles once, actors train; parity, user optimizer and LR
 scheduler, and a failing actor stopping the job — on one Ray cluster for the session."""
 import functools
+import subprocess
+import time
 
 import pytest
 import torch
@@ -54,11 +56,33 @@ def test_ray_training_uses_the_users_optimizer_and_scheduler(ray_cluster):
         assert got and abs(got[0] - loss.item()) < 1e-5 * loss.item()
 
 
-def test_ray_actor_failure_stops_the_job(ray_cluster):
-    job = Job(functools.partial(faulty.TwoStage, fault="raise", rank=1, call=2), faulty.mse, faulty.data,
+def _rank_actors() -> list[str]:
+    """Processes of live rank actors (Ray names an actor's process after its class)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in ps.splitlines() if "ray::RankActor" in line]
+
+
+@pytest.mark.parametrize("fault,call,timeout_s,expected", [
+    ("raise", 2, 20, "rank 1: task 1F0 on stream 'compute' failed: RuntimeError('boom inside the stage-1 chunk')"),
+    ("die", 3, 20, "actor died"),
+    ("stall", 2, 4, "(a message from rank 1)"),  # rank 0's own timeout names whom it waited for
+])
+def test_ray_actor_failure_stops_the_job(ray_cluster, fault, call, timeout_s, expected):
+    """Raise inside a chunk, die mid-step, stall past the timeout: the job stops within the
+    timeout (+5 s the driver gives ranks to report first), naming the rank, and no rank actor
+    is left."""
+    job = Job(functools.partial(faulty.TwoStage, fault=fault, rank=1, call=call), faulty.mse, faulty.data,
               lambda p: apply_recipe(Schedule(p, pp=2), "gpipe", microbatches=2),
-              functools.partial(torch.optim.SGD, lr=0.1), steps=3, timeout_s=20)
+              functools.partial(torch.optim.SGD, lr=0.1), steps=3, timeout_s=timeout_s)
     program, _, plan, _ = compile_job(job)
+    start = time.monotonic()
     with pytest.raises(WorkerFailed) as info:
         run_ray(job, program, plan)
-    assert info.value.rank == 1 and "boom inside the stage-1 chunk" in str(info.value)
+    message = str(info.value).splitlines()[0]
+    assert expected in message, message
+    assert info.value.rank == (0 if fault == "stall" else 1)
+    assert time.monotonic() - start < timeout_s + 5 + 15  # + starting two actors
+    deadline = time.monotonic() + 10  # ray.kill returns before the processes are gone
+    while _rank_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rank_actors() == []

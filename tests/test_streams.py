@@ -183,3 +183,33 @@ def test_a_completion_past_the_deadline_is_a_timeout():
     with pytest.raises(TaskFailed, match="task r0 on stream 'recv' waited more than 1s"):
         StreamRunner(0, _p2p_plan(), execute, timeout_s=1, inline="compute", posted={"recv", "send"}).run_step()
     assert time.monotonic() - start < 3
+
+
+def test_status_says_what_each_stream_does_while_a_step_runs():
+    """Another thread (a driver asking a stalled rank) sees each stream's head mid-step."""
+    release = threading.Event()
+    plan = RankPlan(rank=0, streams={"compute": ["f0", "f1"], "side": ["g0"]},
+                    deps={"f0": (), "f1": ("f0", "g0"), "g0": ()})
+    def execute(key: str) -> None:
+        if key == "g0":
+            release.wait(10)
+
+    runner = StreamRunner(0, plan, execute, timeout_s=10, inline="compute")
+    assert runner.status() == "between steps"
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run_step()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            failed.append(exc)
+
+    step = threading.Thread(target=run)
+    step.start()
+    deadline = time.monotonic() + 10
+    while "f1 waits for g0" not in runner.status() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.status() == "compute: f1 waits for g0; side: computing g0"
+    release.set()
+    step.join(10)
+    assert not failed and runner.status() == "between steps"

@@ -106,7 +106,16 @@ class StreamRunner:
         self.evented = self.crossed | {k for s in self.posted for k in plan.streams[s]}
 
     def run_step(self) -> None:
-        _Step(self).run()
+        step = self.active = _Step(self)
+        try:
+            step.run()
+        finally:
+            self.active = None
+
+    def status(self) -> str:
+        """What each stream is doing now (callable from another thread, e.g. a stall report)."""
+        step = getattr(self, "active", None)
+        return step.report() or "starting a step" if step is not None else "between steps"
 
 
 class _Step:

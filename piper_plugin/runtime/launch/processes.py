@@ -25,7 +25,7 @@ import torch
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.streams import TaskFailed
 
-__all__ = ["WorkerFailed", "run_forked", "free_port", "stop"]
+__all__ = ["WorkerFailed", "SECONDARY_ERRORS", "headline", "run_forked", "free_port", "stop"]
 
 
 class WorkerFailed(RuntimeError):
@@ -33,6 +33,13 @@ class WorkerFailed(RuntimeError):
         self.rank, self.details = rank, details
         who = "the job" if rank is None else f"rank {rank}"
         super().__init__(f"{who} failed: {reason}" + (f"\n--- original traceback of rank {rank} ---\n{details}" if details else ""))
+
+
+def headline(exc: BaseException) -> str:
+    """One line for a rank's failure: a task failure's own first line (it names the rank, the
+    task and the original error; the traceback follows it), else the exception's repr."""
+    text = str(exc) if isinstance(exc, TaskFailed) else repr(exc)
+    return text.split("\n")[0]
 
 
 def free_port() -> int:
@@ -75,7 +82,7 @@ def _child(rank: int, shipped: bytes, port: int, out: mp.Queue) -> None:
         out.put(("done", rank, None))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it with the traceback
         details = exc.details if isinstance(exc, TaskFailed) else traceback.format_exc()
-        out.put(("error", rank, (repr(exc).split("\n")[0], details)))
+        out.put(("error", rank, (headline(exc), details)))
     finally:
         out.close()
         out.join_thread()
@@ -90,8 +97,9 @@ def _final(worker) -> dict[str, Any]:
     return result
 
 
-_SECONDARY = ("Connection reset", "Connection closed", "waited more than", "did not finish", "Broken pipe",
-              "Timed out")
+# words of an error that follows from a peer's failure (a dropped connection, a wait that timed out)
+SECONDARY_ERRORS = ("Connection reset", "Connection closed", "waited more than", "did not finish", "Broken pipe",
+                    "Timed out")
 
 
 def _raise_first_cause(procs, finished, errors, out, grace_s: float = 1.0) -> None:
@@ -110,7 +118,7 @@ def _raise_first_cause(procs, finished, errors, out, grace_s: float = 1.0) -> No
     for r in dead:
         if r not in reported:
             raise WorkerFailed(r, f"process died with exit code {procs[r].exitcode}")
-    primary = [e for e in errors if not any(s in e[1] + e[2] for s in _SECONDARY)]
+    primary = [e for e in errors if not any(s in e[1] + e[2] for s in SECONDARY_ERRORS)]
     busy = [e for e in errors if "computing" in e[1]]  # a rank stuck inside its own compute
     if primary or busy or errors:
         raise WorkerFailed(*(primary or busy or errors)[0])

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable
 
 from piper_plugin.runtime.job import Job
-from piper_plugin.runtime.launch.processes import WorkerFailed, free_port
+from piper_plugin.runtime.launch.processes import SECONDARY_ERRORS, WorkerFailed, free_port, headline
 
 __all__ = ["run_ray", "start_ray"]
 
@@ -63,6 +63,10 @@ class RankActor:
     def step(self) -> dict[str, Any]:
         return self.worker.step()
 
+    def status(self) -> str:
+        worker = getattr(self, "worker", None)
+        return f"step {worker.step_index}: {worker.runner.status()}" if worker is not None else "setting up"
+
     def final(self) -> dict[str, Any]:
         from piper_plugin.runtime.launch.processes import _final
 
@@ -70,26 +74,76 @@ class RankActor:
 
 
 def _wait(refs: list, ranks: list[int], job: Job, actors: list) -> list[Any]:
+    """Every rank's result, or :class:`WorkerFailed` for the root cause of the first failure.
+    The driver waits ``job.timeout_s`` + 5 s for progress, so ranks report their own timeouts
+    first (they name the peer they waited for); past that it names each stalled rank's streams."""
     import ray
 
-    deadline = time.monotonic() + job.timeout_s
+    patience = job.timeout_s + 5
+    deadline = time.monotonic() + patience
     pending = dict(zip(refs, ranks))
     results: dict[int, Any] = {}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not done:
-            raise WorkerFailed(min(pending.values()), f"no progress for {job.timeout_s:.0f}s "
-                               f"(ranks {sorted(pending.values())} stalled)")
+            stuck = sorted(pending.values())
+            raise WorkerFailed(stuck[0], f"no progress for {patience:.0f}s (ranks {stuck} stalled); "
+                               + _statuses(actors, stuck))
         for ref in done:
             rank = pending.pop(ref)
             try:
                 results[rank] = ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause
-                raise WorkerFailed(rank, repr(cause).split("\n")[0], getattr(cause, "details", "") or str(exc)) from None
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerFailed(rank, f"actor died: {str(exc).splitlines()[0]}") from None
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                raise _root_cause([_failure(rank, exc)] + _more_failures(pending)) from None
     return [results[r] for r in ranks]
+
+
+def _failure(rank: int, exc: Exception) -> WorkerFailed:
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause
+        return WorkerFailed(rank, headline(cause), getattr(cause, "details", "") or str(exc))
+    return WorkerFailed(rank, f"actor died: {str(exc).splitlines()[0]}")
+
+
+def _more_failures(pending: dict, grace_s: float = 1.0) -> list[WorkerFailed]:
+    """Failures of other ranks within ``grace_s`` of the first (a peer's failure often makes
+    its neighbours fail too; the root cause may come in second)."""
+    import ray
+
+    found, deadline = [], time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            rank = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                found.append(_failure(rank, exc))
+    return found
+
+
+def _root_cause(failures: list[WorkerFailed]) -> WorkerFailed:
+    """A rank that died, else one whose error is not a consequence of a peer's, else the first."""
+    died = [f for f in failures if "actor died" in str(f)]
+    primary = [f for f in failures if not any(s in str(f) for s in SECONDARY_ERRORS)]
+    return (died or primary or failures)[0]
+
+
+def _statuses(actors: list, ranks: list[int], timeout_s: float = 2.0) -> str:
+    """Each stalled rank's streams, asked while it is stuck (actors answer while busy)."""
+    import ray
+
+    refs = {r: actors[r].status.remote() for r in ranks}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    lines = []
+    for r, ref in refs.items():
+        try:
+            lines.append(f"rank {r}: {ray.get(ref, timeout=0)}")
+        except Exception:  # noqa: BLE001 - a dead or unresponsive actor says nothing
+            lines.append(f"rank {r}: no answer")
+    return "; ".join(lines)
 
 
 def run_ray(job: Job, program, plan, *, address: str | None = None,
