@@ -86,3 +86,19 @@ def test_ray_actor_failure_stops_the_job(ray_cluster, fault, call, timeout_s, ex
     while _rank_actors() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _rank_actors() == []
+
+
+def test_the_driver_asks_stalled_actors_what_they_do(ray_cluster):
+    """Past its patience the driver names each stalled rank's state; a dead actor says nothing."""
+    import ray
+
+    from piper_plugin.runtime.launch.ray_actors import RankActor, _statuses
+
+    cls = ray.remote(num_cpus=0, max_concurrency=2)(RankActor)
+    alive, dead = cls.remote(), cls.remote()
+    ray.get(alive.endpoint.remote(True), timeout=60)  # started, as a stalled rank's actor is
+    ray.kill(dead)
+    try:
+        assert _statuses([alive, dead], [0, 1]) == "rank 0: setting up; rank 1: no answer"
+    finally:
+        ray.kill(alive)
