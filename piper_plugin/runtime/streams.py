@@ -104,6 +104,7 @@ class StreamRunner:
         self.sizes = {k: (sizes or {}).get(k, 0) for s in self.posted for k in plan.streams[s]}  # buffer bytes
         # tasks that get a per-step event: waited for across streams, or posted (waited for when forced)
         self.evented = self.crossed | {k for s in self.posted for k in plan.streams[s]}
+        self.active: _Step | None = None  # the step running now, if any
 
     def run_step(self) -> None:
         step = self.active = _Step(self)
@@ -114,8 +115,10 @@ class StreamRunner:
 
     def status(self) -> str:
         """What each stream is doing now (callable from another thread, e.g. a stall report)."""
-        step = getattr(self, "active", None)
-        return step.report() or "starting a step" if step is not None else "between steps"
+        step = self.active
+        if step is None:
+            return "between steps"
+        return step.report() or "starting a step"
 
 
 class _Step:
