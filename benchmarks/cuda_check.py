@@ -27,8 +27,10 @@ Sections (each prints its figures and whether its goal holds; the exit code is 1
 
     python -m benchmarks.cuda_check                  # writes benchmarks/results/cuda_check.md
 
-On a lent GPU machine (its own torch, no installs; about a minute on one GPU):
-``PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.cuda_check --out $OUT/cuda_check.md``.
+On a lent GPU machine (its own torch, no installs; about a minute on one GPU), the two links
+stand in for ``pip install -e .``'s mapping of ``recipes/`` and ``adapters/`` into the package:
+``ln -sfn ../recipes piper_plugin/recipes && ln -sfn ../adapters piper_plugin/adapters &&
+PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.cuda_check --out $OUT/cuda_check.md``.
 """
 from __future__ import annotations
 
