@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping
 
+from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.simulate import SimResult
 
 __all__ = ["StepStats", "Progress", "measured_result", "measured_costs", "write_trace", "human_bytes"]
@@ -137,8 +138,6 @@ def measured_costs(plan, measured: SimResult):
     ranks and microbatches of ``measured``'s timeline (so a rank's compute adds up to what it
     measured), communication free. Simulating the plan with it gives the schedule's own bubble
     at these task times; what the measured step has beyond that is messages, waits, runtime."""
-    from piper_plugin.scheduler.cost import CostModel
-
     durations: dict[tuple[str, str], list[float]] = {}
     for _, _, key, start, end in measured.timeline:
         node = plan.node(key)

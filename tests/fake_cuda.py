@@ -50,9 +50,6 @@ class FakeStream:
             self.ends.append(self.reached() + duration)
             self.ops.append(op)
 
-    def synchronize(self) -> None:
-        pass
-
 
 class FakeEvent:
     def __init__(self, cuda: "FakeCuda", enable_timing: bool = False):

@@ -286,8 +286,8 @@ class _Step:
     def device_timeline(self) -> list[tuple[str, str, float, float]]:
         """The GPU timeline in host seconds: every event's device time after the step-start
         event, counted from the host time that event was recorded (exact when the caller's
-        stream had nothing queued then; otherwise a rank's timeline shifts by that backlog)."""
-        torch.cuda.synchronize(self.r.device)
+        stream had nothing queued then; otherwise a rank's timeline shifts by that backlog).
+        Every event has completed: the step ended with the device synchronized."""
         since = self.ambient.elapsed_time  # milliseconds
         return [(stream, key, self.origin + since(a) / 1e3, self.origin + since(b) / 1e3)
                 for stream, key, a, b in self.timeline]
@@ -377,6 +377,6 @@ class _Step:
                 self.failure.append(TaskFailed(f"rank {r.rank}: step did not finish within {r.timeout_s:.0f}s"))
         if self.failure:
             raise self.failure[0]
-        for cuda_stream in r.cuda_streams.values():
-            cuda_stream.synchronize()  # the step's results are ready for the host and every stream
+        if r.cuda:  # the step's results are ready for the host and every stream (timing events too)
+            torch.cuda.synchronize(r.device)
         r.timeline = self.device_timeline() if r.cuda else self.timeline
