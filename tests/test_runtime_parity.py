@@ -55,16 +55,16 @@ def test_only_a_ranks_last_backward_that_feeds_a_send_goes_input_gradients_first
     dp=2 (here ZeRO-2) the gradient reductions wait for that B on another stream: none is split."""
     from benchmarks._common import lm_config, lm_job
     from piper_plugin.runtime.job import compile_job
-    from piper_plugin.runtime.rank_state import _input_grads_first
+    from piper_plugin.scheduler.backward_passes import input_grads_first
     from piper_plugin.scheduler.plan import build_plan
 
     cfg = lm_config(dim=32, layers=4, heads=2, ffn=64, seq=8, vocab=64)
     _, _, plan, _ = compile_job(lm_job(cfg, recipe="1f1b", pp=4, microbatches=4, batch=8))
-    assert [sorted(_input_grads_first(plan, r)) for r in range(4)] == [[], ["1B3"], ["2B3"], ["3B3"]]
+    assert [sorted(input_grads_first(plan, r)) for r in range(4)] == [[], ["1B3"], ["2B3"], ["3B3"]]
     program = compile_job(lm_job(cfg, recipe="1f1b", pp=2, microbatches=4, batch=8))[0]
     sch = apply_recipe(Schedule(program, pp=2, dp=2), "1f1b", microbatches=4, zero=2)
     plan = build_plan(sch.dag, sch.grid)
-    assert all(not _input_grads_first(plan, r) for r in range(plan.grid.world_size))
+    assert all(not input_grads_first(plan, r) for r in range(plan.grid.world_size))
 
 
 def test_the_comparison_sees_a_wrong_loss_gradient_or_parameter():

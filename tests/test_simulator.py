@@ -4,6 +4,8 @@ import torch
 
 from piper_plugin import capture
 from piper_plugin.api.schedule import Schedule
+from piper_plugin.ir.graph import BackwardBytes
+from piper_plugin.ir.nodes import Kind
 from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
 from piper_plugin.scheduler.cost import CostModel
@@ -14,7 +16,9 @@ from piper_plugin.scheduler.simulate import simulate
 F, B, W = 1.0, 2.0, 1.0  # per pipeline stage of a one-chunk schedule; B is the full backward
 
 
-def _simulate(recipe, p, m, dp=1, zero=0, cost=None, post_budget=POST_BUDGET):
+def _simulate(recipe, p, m, dp=1, zero=0, cost=None, post_budget=POST_BUDGET, backward=None):
+    """``backward``: every region's backward working memory set to it (a test pinning other
+    parts of memory passes ``BackwardBytes()``, none)."""
     stages = stages_needed(recipe, p)
     with torch.device("meta"):
         model, cfg = build_toy_lm(stages=stages, layers=stages)
@@ -22,6 +26,9 @@ def _simulate(recipe, p, m, dp=1, zero=0, cost=None, post_budget=POST_BUDGET):
     sch = Schedule(capture(model, lm_loss, (x,), y), pp=p, dp=dp)
     apply_recipe(sch, recipe, microbatches=m, zero=zero)
     v = stages // p
+    if backward is not None:
+        for region in sch.dag.regions.values():
+            region.backward = backward
     plan = build_plan(sch.dag, sch.grid)
     return plan, simulate(plan, cost or CostModel.uniform(F=F / v, B=B / v, W=W / v), post_budget=post_budget)
 
@@ -63,10 +70,11 @@ def test_gpipe_bubble_fraction(p, m):
 def test_gpipe_holds_every_microbatch_and_1f1b_holds_p():
     """Activations of m microbatches vs of p, plus on rank 0 the gradient receives posted
     ``POST_AHEAD`` deep (and the one being consumed) and at most two activations sent but not
-    yet let go (a sender notices a message arrived when its next compute task starts)."""
+    yet let go (a sender notices a message arrived when its next compute task starts).
+    Backward working memory is left out (pinned by its own tests)."""
     p, m = 4, 8
     for recipe, units in (("gpipe", m), ("1f1b", p)):
-        plan, result = _simulate(recipe, p, m, post_budget=0)
+        plan, result = _simulate(recipe, p, m, post_budget=0, backward=BackwardBytes())
         unit = plan.dag.regions["0"].activation_bytes // plan.microbatches
         (grad,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "RECV" and 0 in n.devices}
         (sent,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "SEND" and 0 in n.devices}
@@ -79,10 +87,10 @@ def test_receives_within_the_budget_hold_their_buffers_from_step_start():
     its peak (idle between its last forward and its first backward) holds all m of them next
     to m activations; ``POST_AHEAD`` deep, two. Its last two forward messages are held then too:
     a sender lets go of a message that arrived when its next compute task starts, and F6's
-    arrived as F7 started, F7's after it."""
+    arrived as F7 started, F7's after it. No backward working memory (its own tests)."""
     p, m = 4, 8
-    plan, deep = _simulate("gpipe", p, m)
-    _, shallow = _simulate("gpipe", p, m, post_budget=0)
+    plan, deep = _simulate("gpipe", p, m, backward=BackwardBytes())
+    _, shallow = _simulate("gpipe", p, m, post_budget=0, backward=BackwardBytes())
     unit = plan.dag.regions["0"].activation_bytes // plan.microbatches
     (grad,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "RECV" and 0 in n.devices}
     (sent,) = {n.bytes for n in plan.dag.nodes.values() if n.kind.value == "SEND" and 0 in n.devices}
@@ -149,3 +157,53 @@ def test_measured_task_times_drive_the_simulation():
     timeline = [(0, "compute", k, 0.0, 1.0 if i % 2 else 3.0) for i, k in enumerate(forwards)]
     costs = measured_costs(plan, SimpleNamespace(timeline=timeline))
     assert costs.per_task == {("F", plan.dag.nodes[forwards[0]].region): pytest.approx(2.0)}
+
+
+def _backward_memory_only(recipe, p, m, backward):
+    """A plan whose only transient memory is ``backward`` (activations and messages zeroed),
+    its simulation, and per rank its compute tasks in the order they ran."""
+    plan, _ = _simulate(recipe, p, m, backward=backward)
+    for region in plan.dag.regions.values():
+        region.activation_bytes = 0
+    for node in plan.dag.nodes.values():
+        node.bytes = 0
+    result = simulate(plan, CostModel.uniform(F=F, B=B, W=W))
+    order = [[key for r, _, key, _, _ in sorted(result.timeline, key=lambda t: t[3])
+              if r == rank and plan.dag.nodes[key].is_compute] for rank in range(p)]
+    return plan, result, order
+
+
+@pytest.mark.parametrize("recipe", ["gpipe", "1f1b"])
+def test_a_backward_holds_its_working_memory_while_it_runs(recipe):
+    """One backward runs at a time on a rank: its working memory (per microbatch) is the peak."""
+    p, m, per_microbatch = 2, 4, 1000
+    _, result, _ = _backward_memory_only(recipe, p, m, BackwardBytes(full=per_microbatch * m))
+    assert result.peak_transient_bytes == [per_microbatch] * p
+
+
+def test_an_input_gradient_pass_keeps_what_it_recorded_until_its_weight_pass():
+    """Zero-bubble: each BI not run whole (its BW does not follow at once) leaves ``kept`` bytes
+    until its BW finished; a B the runtime splits (input gradients first) holds them inside
+    itself. The peak is the most outstanding at once, counted from each rank's task order."""
+    from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
+
+    p, m, kept = 2, 8, 1000
+    plan, result, order = _backward_memory_only("zb-h1", p, m, BackwardBytes(inputs=kept * m, kept=kept * m))
+    most = []
+    for rank, keys in enumerate(order):
+        fused, split = fused_backwards(plan, rank), input_grads_first(plan, rank)
+        outstanding = high = 0
+        for key in keys:
+            kind = plan.dag.nodes[key].kind
+            rises = (kind == Kind.BI and key not in fused) or key in split
+            high = max(high, outstanding + rises)
+            if kind == Kind.BI and key not in fused:
+                outstanding += 1
+            elif kind == Kind.BW and any(plan.dag.nodes[k].kind == Kind.BI and k not in fused and
+                                         plan.dag.nodes[k].microbatch == plan.dag.nodes[key].microbatch and
+                                         plan.dag.nodes[k].region == plan.dag.nodes[key].region for k in keys):
+                outstanding -= 1
+        assert outstanding == 0
+        most.append(high)
+    assert max(most) >= 2  # the weight passes really are deferred past later input passes
+    assert result.peak_transient_bytes == [kept * h for h in most]

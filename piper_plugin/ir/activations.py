@@ -1,23 +1,40 @@
-"""What each region's forward keeps for its backward, measured without real memory.
+"""What each region's forward keeps for its backward, and what its backward allocates,
+measured without real memory.
 
 The regions run once, in order, on fake CPU tensors (FakeTensorMode picks the kernels the
 CPU would: e.g. the fused SDPA that saves q, k, v, out and a log-sum-exp, not the math path's
 attention matrix), each input from another region made a fresh autograd leaf as the runtime
 does. A region's activation bytes are the storages autograd saves (each once: views share a
 storage; parameters' storages excluded) plus its outputs (the runtime keeps them as backward
-roots). Invariant: the simulator's activation memory is the runtime meter's, up to allocator
-effects.
+roots). Its backward then runs on the same fake tensors under
+:class:`~piper_plugin.runtime.working_memory.WorkingMemory`, gradients already allocated (the
+state of every microbatch after a step's first): once whole (B), and once split as the runtime
+splits it (BI, then BW). Invariant: the simulator's activation and backward memory is the
+runtime meter's, up to allocator effects.
 """
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.node import map_arg
 
-__all__ = ["saved_activation_bytes"]
+from piper_plugin.ir.graph import BackwardBytes
+
+__all__ = ["RegionMemory", "region_memory", "saved_activation_bytes"]
+
+
+@dataclass(frozen=True)
+class RegionMemory:
+    """One region's memory for the batch it ran on: saved activations, backward working memory."""
+
+    saved: int
+    backward: BackwardBytes
 
 
 def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -38,30 +55,126 @@ def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
 
 
 def saved_activation_bytes(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any]) -> dict[str, int]:
+    """Per region: the bytes one forward keeps for its backward (see :func:`region_memory`)."""
+    return {name: m.saved for name, m in region_memory(program, model, loss_fn, inputs).items()}
+
+
+def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any]) -> dict[str, RegionMemory]:
+    """Per region (in program order, each fed the fake outputs of those before): what one
+    forward keeps and what its backward allocates. Regions of one structure on inputs of one
+    shape (a model's repeated layers) are measured once."""
+    from piper_plugin.runtime.working_memory import WorkingMemory
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = _fake_copy(model, mode)
     chunks = program.instantiate(fake, loss_fn)
     params = {p.untyped_storage()._cdata for p in fake.parameters()}
-    result: dict[str, int] = {}
+    result: dict[str, RegionMemory] = {}
+    measured: dict[str, RegionMemory] = {}
     with mode:
+        for p in fake.parameters():
+            if p.requires_grad:  # gradients exist: a backward's new ones are temporaries added in
+                p.grad = torch.zeros_like(p)
         env: dict[str, Any] = {n: mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t)
                                if isinstance(t, torch.Tensor) else t for n, t in zip(program.input_names, inputs)}
         for name, region in program.regions.items():
-            args = [env[v] if v in program.input_names or not isinstance(env[v], torch.Tensor)
-                    else env[v].detach().requires_grad_(env[v].is_floating_point()) for v in region.inputs]
-            held: dict[int, int] = {}
+            chunk = chunks[name]
 
-            def note(t: torch.Tensor) -> torch.Tensor:
-                storage = t.untyped_storage()
-                if storage._cdata not in params:
-                    held[storage._cdata] = storage.nbytes()
-                return t
+            def forward(tracker: WorkingMemory) -> tuple[list, Any, int]:
+                args = [env[v] if v in program.input_names or not isinstance(env[v], torch.Tensor)
+                        else env[v].detach().requires_grad_(env[v].is_floating_point()) for v in region.inputs]
+                outs, saved = _forward(chunk, args, params, tracker)
+                return args, outs, saved
 
-            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
-                outs = chunks[name](*args)
-            for t in outs:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    note(t)
-            result[name] = sum(held.values())
+            tracker = WorkingMemory()
+            args, outs, saved = forward(tracker)
             env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
+            key = _structure(program.graphs[name], chunk, args)
+            if key not in measured:
+                full = _whole_backward(tracker, outs)
+                del args, outs
+                measured[key] = RegionMemory(saved, _split_backward(forward, full, bool(region.params)))
+            result[name] = measured[key]
     return result
+
+
+def _forward(chunk: nn.Module, args: list, params: set[int], tracker) -> tuple[Any, int]:
+    """Run ``chunk``; its saved storages (parameters' excluded) and outputs needing gradients
+    are tracked by ``tracker``. Returns the outputs and those storages' bytes."""
+    held: dict[int, int] = {}
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            held[storage._cdata] = storage.nbytes()
+            tracker.track(storage)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        outs = chunk(*args)
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            note(t)
+    return outs, sum(held.values())
+
+
+def _structure(graph, chunk: nn.Module, args: list) -> str:
+    """The region's ops (parameters and modules by shape, values by position) and its inputs'
+    shapes: equal for regions whose memory is equal, such as a model's repeated layers."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    ops = []
+    for n in graph.nodes:
+        target: Any = n.target
+        if n.op == "placeholder":
+            target = None
+        elif n.op == "get_attr":
+            value = functools.reduce(getattr, n.target.split("."), chunk)
+            target = (tuple(value.shape), value.dtype, value.requires_grad) if isinstance(value, torch.Tensor) else value
+        elif n.op == "call_module":
+            module = chunk.get_submodule(n.target)
+            target = (repr(module), tuple((k, tuple(p.shape), p.requires_grad) for k, p in module.named_parameters()))
+        ops.append((n.op, target, map_arg((n.args, n.kwargs), index.__getitem__)))
+    shapes = [(tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    return repr((ops, shapes))
+
+
+def _roots(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs a backward starts from and incoming gradients of their sizes (the runtime's
+    arrive as messages before the backward starts: not working memory)."""
+    roots = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _whole_backward(tracker, outs) -> int:
+    """One full backward from ``outs``: its rise above the start (saved activations, tracked by
+    ``tracker`` since the forward, are let go as it goes: the level falls with them)."""
+    roots, grads = _roots(outs)
+    del outs
+    with tracker:
+        if roots:
+            torch.autograd.backward(roots, grads)
+    return tracker.rise
+
+
+def _split_backward(forward: Callable, full: int, has_params: bool) -> BackwardBytes:
+    """BI then BW as the runtime runs them, on a fresh forward (``forward(tracker)`` returns its
+    inputs, outputs and saved bytes); ``full``: the whole backward's rise."""
+    from piper_plugin.runtime.split_backward import backward_input
+    from piper_plugin.runtime.working_memory import WorkingMemory
+
+    tracker = WorkingMemory()
+    args, outs, _ = forward(tracker)
+    roots, grads = _roots(outs)
+    del outs
+    wanted = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    with tracker:
+        got, pending = backward_input(roots, grads, wanted)
+    returned = sum(g.untyped_storage().nbytes() for g in got if g is not None)
+    del got
+    if not has_params:
+        return BackwardBytes(full=full, inputs=tracker.rise)
+    kept = max(0, tracker.settle() - tracker.start - returned)  # recorded for BW, alive until it ran
+    weights = WorkingMemory()
+    with weights:
+        pending.run()
+    return BackwardBytes(full=full, inputs=tracker.rise, kept=kept, weights=weights.rise)

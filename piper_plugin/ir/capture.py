@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from piper_plugin.api.annotate import current_tags, module_tags
-from piper_plugin.ir.activations import saved_activation_bytes
+from piper_plugin.ir.activations import region_memory
 from piper_plugin.ir.graph import DAG, Region, gc_paused
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.ir.size_probe import probe_sizes
@@ -146,11 +146,12 @@ def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inp
     program.dag.meta["param_shapes"] = {n: tuple(p.shape) for n, p in params.items()}
     program.dag.meta["value_shapes"] = probe.shapes
     try:
-        saved = saved_activation_bytes(program, model, loss_fn, (*example_inputs, example_target))
+        memory = region_memory(program, model, loss_fn, (*example_inputs, example_target))
     except Exception:  # noqa: BLE001 - an op fake tensors cannot run: keep the probe's estimate
-        saved = {}
-    for name, nbytes in saved.items():
-        program.regions[name].activation_bytes = nbytes
+        memory = {}
+    for name, m in memory.items():
+        program.regions[name].activation_bytes = m.saved
+        program.regions[name].backward = m.backward
     return program
 
 

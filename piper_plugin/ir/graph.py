@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 from piper_plugin.ir.nodes import Node
 
-__all__ = ["DAG", "Region", "Bucket", "CycleError", "gc_paused"]
+__all__ = ["DAG", "Region", "BackwardBytes", "Bucket", "CycleError", "gc_paused"]
 
 
 @contextmanager
@@ -48,12 +48,27 @@ class CycleError(ValueError):
         super().__init__(f"cycle: {shown}")
 
 
+@dataclass(frozen=True)
+class BackwardBytes:
+    """Working memory of one region's backward for the example batch: what its kernels
+    allocate beyond the saved activations (gradients between its ops, temporaries, the
+    gradients it returns), as a rise above the level at its start. ``full``: one whole
+    backward (B); ``inputs``: the input-gradient pass (BI); ``kept``: what BI leaves alive for
+    BW (the gradients recorded at the weight side); ``weights``: BW's rise above its start."""
+
+    full: int = 0
+    inputs: int = 0
+    kept: int = 0
+    weights: int = 0
+
+
 @dataclass
 class Region:
     """A chunk of the model: a maximal run of ops with one tag set (see capture).
 
     ``value_bytes`` are sizes for the example batch the model was captured with;
-    ``activation_bytes`` estimates what one forward of the region keeps for backward.
+    ``activation_bytes`` estimates what one forward of the region keeps for backward,
+    ``backward`` what its backward allocates on top (both for that batch).
     """
 
     name: str
@@ -67,6 +82,7 @@ class Region:
     activation_bytes: int
     param_bytes: int
     flops: int = 0
+    backward: BackwardBytes = field(default_factory=BackwardBytes)
 
 
 @dataclass

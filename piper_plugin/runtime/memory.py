@@ -2,12 +2,16 @@
 
 Kept: parameters (full, or the ZeRO shard), gradients and optimizer state, counted from the
 tensors themselves. Transient: activations autograd saves for backward (counted through
-saved-tensor hooks, released when autograd drops them), values waiting in inboxes, messages
-in flight (receive buffers from their post, sent values until the send is let go) and gathered
-ZeRO-3 buckets. On a GPU the allocator's own peak is used instead.
+saved-tensor hooks, released when autograd drops them), a backward's working memory (what its
+kernels allocate while it runs, op by op: :mod:`.working_memory`), values waiting in inboxes,
+messages in flight (receive buffers from their post, sent values until the send is let go),
+gradients an input-gradient pass keeps for its weight pass and gathered ZeRO-3 buckets. On a
+GPU the allocator's own peak is used instead.
 
 Saved activations change only inside *windows*: the stretch of a compute task where it saves
-them (a chunk's forward) or where autograd releases them (a backward). A hook is a Python call
+them (a chunk's forward) or where autograd releases them and allocates its working memory (a
+backward; the working memory is gone, or handed to someone who counts it, by the window's
+end). A hook is a Python call
 per saved tensor, about 7% of a transformer stage's forward on a CPU. So once two consecutive
 steps with the same batch shapes changed the count by the same bytes in the same windows, and
 no change fell outside a window, later steps with those shapes replay each window's change at
@@ -23,6 +27,8 @@ import contextlib
 import threading
 
 import torch
+
+from piper_plugin.runtime.working_memory import WorkingMemory
 
 __all__ = ["MemoryMeter"]
 
@@ -43,23 +49,36 @@ class _Window:
     """One window of a task (see the module docstring): measured through hooks, or replayed.
     ``key`` is the task and the window's count within the step."""
 
-    __slots__ = ("meter", "key", "hooks", "replay", "before")
+    __slots__ = ("meter", "key", "hooks", "working", "grad_hooks", "replay", "before")
 
     def __init__(self, meter: "MemoryMeter", key: tuple[str, int], saves: bool):
         self.meter, self.key = meter, key
         self.replay = meter._replay.get(key) if meter._replay is not None else None
-        self.hooks = meter.saved_tensor_hooks() if saves and self.replay is None else None
+        measured = self.replay is None
+        self.hooks = meter.saved_tensor_hooks() if saves and measured else None
+        self.working = WorkingMemory(on_op=meter._working) if not saves and measured and meter.track_working else None
+        self.grad_hooks: list = []
 
     def __enter__(self) -> None:
         meter = self.meter
         self.before = meter._high = meter.saved
         if self.hooks is not None:
             self.hooks.__enter__()
+        if self.working is not None:
+            # a parameter's first gradient of the step becomes its .grad: kept state from then on
+            forget = self.working.forget
+            self.grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: forget(p.grad))
+                               for p in meter._param_tensors if p.requires_grad]
+            self.working.__enter__()
 
     def __exit__(self, *exc) -> None:
         meter = self.meter
         if self.hooks is not None:
             self.hooks.__exit__(*exc)
+        if self.working is not None:
+            self.working.__exit__(*exc)
+            for handle in self.grad_hooks:
+                handle.remove()
         if self.replay is not None:
             meter.replay_window(*self.replay)
             return
@@ -76,6 +95,8 @@ class MemoryMeter:
         self._params: set[int] = set()
         self._refs: dict[int, int] = {}
         self.track_saved = True  # False: saved activations go uncounted (a host reports memory itself)
+        self.track_working = True  # False: backward working memory goes uncounted (a GPU's allocator sees it)
+        self._param_tensors: list[torch.Tensor] = []
         # per window: (change of ``saved``, its highest rise above the start), this step's
         self._log: dict[tuple[str, int], tuple[int, int]] = {}  # by (task, its window's count)
         self._logs: dict[tuple, dict[tuple[str, int], tuple[int, int]]] = {}  # batch shapes -> last measured step's
@@ -126,8 +147,19 @@ class MemoryMeter:
         return _Window(self, (task, index), saves)
 
     def ignore(self, tensors) -> None:
-        """Parameters are kept memory, not activations, even when autograd saves them."""
-        self._params = {id(t) for t in tensors}
+        """Parameters are kept memory, not activations, even when autograd saves them; so are
+        their gradients."""
+        self._param_tensors = list({id(t): t for t in tensors}.values())
+        self._params = {id(t) for t in self._param_tensors}
+
+    def _working(self, live: int) -> None:
+        """After each op of a measured backward window: ``live`` working bytes on top of the
+        saved activations left."""
+        with self._lock:
+            if self.saved + live > self._high:
+                self._high = self.saved + live
+            if self.current + live > self.peak:
+                self.peak = self.current + live
 
     def _drop(self, ptr: int, nbytes: int) -> None:
         with self._lock:

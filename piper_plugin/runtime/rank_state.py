@@ -22,6 +22,7 @@ from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.pieces import Piece
 from piper_plugin.runtime.split_backward import PendingWeightGrads
+from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["RankState"]
@@ -68,10 +69,11 @@ class RankState:
         self.losses: list[torch.Tensor] = []
         self.grad_pieces: dict[str, list[Piece]] = {}
         self.snapshot_grads = False
-        self.fused_backward = _fusable_backwards(plan, rank)
-        self.input_grads_first = _input_grads_first(plan, rank)
+        self.fused_backward = fused_backwards(plan, rank)
+        self.input_grads_first = input_grads_first(plan, rank)
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
+        self.meter.track_working = not self.cuda
 
     # -- set-up ----------------------------------------------------------------------------
     def _shard_experts(self, named: dict[str, nn.Parameter]) -> None:
@@ -244,46 +246,3 @@ class _Named(nn.Module):
 
 def _nbytes(value: Any) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-
-
-def _fusable_backwards(plan: Plan, rank: int) -> set[str]:
-    """BI tasks whose own BW follows right after them on the same stream: splitting those buys
-    no schedule freedom, so they run as one full backward (same gradients, one pass)."""
-    nodes, fused = plan.dag.nodes, set()
-    for keys in plan.ranks[rank].streams.values():
-        for a, b in zip(keys, keys[1:]):
-            x, y = nodes[a], nodes[b]
-            if x.kind == Kind.BI and y.kind == Kind.BW and (x.region, x.microbatch) == (y.region, y.microbatch):
-                fused.add(a)
-    return fused
-
-
-def _input_grads_first(plan: Plan, rank: int) -> set[str]:
-    """B tasks that send their input gradients before computing their weight gradients.
-
-    A B qualifies when it is the last backward of its stream (only UPDATEs may follow), its
-    region has parameters, and what waits for it on other streams is SENDs alone: the upstream
-    rank's last backward waits for exactly that message while this rank has no backward left,
-    so splitting this one B (BI, post the sends, BW) starts the upstream cool-down a weight
-    pass earlier. Every other B stays one pass (a split costs 20-30% more backward on a CPU).
-    """
-    nodes, rank_plan = plan.dag.nodes, plan.ranks[rank]
-    stream_of = {k: s for s, keys in rank_plan.streams.items() for k in keys}
-    dependents: dict[str, list[str]] = {}
-    for key, deps in rank_plan.deps.items():
-        for dep in deps:
-            dependents.setdefault(dep, []).append(key)
-    chosen = set()
-    for keys in rank_plan.streams.values():
-        backwards = [k for k in keys if nodes[k].kind in (Kind.B, Kind.BI, Kind.BW)]
-        if not backwards or nodes[backwards[-1]].kind != Kind.B:
-            continue
-        last = backwards[-1]
-        if any(nodes[k].kind == Kind.F for k in keys[keys.index(last):]):
-            continue
-        if not plan.dag.regions[nodes[last].region].params:
-            continue
-        across = [k for k in dependents.get(last, ()) if stream_of[k] != stream_of[last]]
-        if across and all(nodes[k].kind == Kind.SEND for k in across):
-            chosen.add(last)
-    return chosen

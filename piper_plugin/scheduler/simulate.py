@@ -10,7 +10,10 @@ Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and 
 plus the peak of activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a
 reduce-scatter and received buffers (from their post, :mod:`.posting`), each held until its last
 local consumer finishes. A bucket gathered for several microbatches at once is one copy (as in
-the runtime, which counts references to it).
+the runtime, which counts references to it). A backward task also holds its region's working
+memory while it runs (``Region.backward``, as the runtime runs that task: whole, or split in
+input and weight passes), and an input-gradient pass leaves what it recorded for the weight
+pass until that one finishes.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
 from piper_plugin.ir.nodes import COLLECTIVES, Kind
+from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import POST_BUDGET, post_times, posted_streams
@@ -233,6 +237,9 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
                      per_rank_peak=[sum(s.values()) + p for s, p in zip(static, peaks)])
 
 
+_BACKWARDS = frozenset({Kind.B, Kind.BI, Kind.BW})
+
+
 class _Memory:
     """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
     a posted stream: when the posting policy posts it) and freed when its last local consumer
@@ -258,6 +265,9 @@ class _Memory:
         self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
         self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
         self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
+        self.fused = [fused_backwards(plan, r) for r in range(world)]  # BIs run whole (their BW: nothing)
+        self.split = [input_grads_first(plan, r) for r in range(world)]  # Bs run as BI, sends, BW
+        self.for_weights: dict[tuple[int, str, int], int | None] = {}  # (rank, region, mb) -> BI's kept (None: whole)
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -270,6 +280,8 @@ class _Memory:
             dag = self.plan.dag
             sender = self.plan.grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
             self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
+        if node.kind in _BACKWARDS:
+            self._working(r, node, start, finish)
         if node.kind in self.holding:
             held = self.held.get(key)
             if held is None:
@@ -310,6 +322,29 @@ class _Memory:
                     else:
                         events.append((finish, -nbytes))
                     del waiting[producer]
+
+    def _working(self, r: int, node, start: float, finish: float) -> None:
+        """A backward's working memory while it runs, and what a BI keeps for its BW."""
+        dag = self.plan.dag
+        b = dag.regions[node.region].backward
+        per = self.shards * dag.meta.get("sharded", {}).get(node.region, 1)
+        slot = (r, node.region, node.microbatch)
+        kept = 0
+        if node.kind == Kind.B:
+            rise = max(b.inputs, b.kept + b.weights) if node.key in self.split[r] else b.full
+        elif node.kind == Kind.BI:
+            whole = node.key in self.fused[r]
+            rise = b.full if whole else b.inputs
+            kept = 0 if whole else b.kept // per
+            self.for_weights[slot] = None if whole else kept
+        else:
+            left = self.for_weights.pop(slot, 0)
+            if left is None:  # its BI ran the whole backward
+                return
+            rise, kept = b.weights, -left
+        rise //= per
+        if rise or kept:
+            self.events[r] += [(start, rise), (finish, kept - rise)]
 
     def _let_go(self, r: int, start: float) -> None:
         """Sends that arrived before a compute task starting at ``start`` on rank ``r`` free
