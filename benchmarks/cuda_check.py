@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record("1f1b 1 rank", _train(one_rank))
     piper_ms = _piper_step_ms(one_rank)
     plain_ms = _plain_step_ms(one_rank, args.microbatches)
-    probed = max(r.backward.full for r in compile_job(one_rank)[0].regions.values()) / args.microbatches
+    probed = max(r.backward.full.at(1 / args.microbatches) for r in compile_job(one_rank)[0].regions.values())
     working = (f"Backward working memory of one microbatch (the largest region's): size probe on fake tensors, "
                f"as the simulator charges it, {probed / 2**20:.2f} MiB")
     if args.device == "cuda":

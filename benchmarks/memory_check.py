@@ -1,10 +1,12 @@
 """Measured vs simulated peak activation memory per rank (toy LM, forked gloo ranks).
 
 *Measured* is ``Worker.state.meter.peak`` after a step: the transient bytes of one step
-(tensors autograd saved for backward, deduplicated by storage, plus values waiting in
-inboxes, messages in flight and gathered ZeRO-3 buckets). *Simulated* is
+(tensors autograd saved for backward, deduplicated by storage, each backward's working memory
+counted op by op, plus values waiting in inboxes, messages in flight, gradients a split
+backward keeps for its weight pass and gathered ZeRO-3 buckets). *Simulated* is
 ``SimResult.peak_transient_bytes``, which charges every forward the region's
-``activation_bytes`` (``piper_plugin/ir/capture.py``) plus messages received and sent.
+``activation_bytes`` and every backward its ``backward`` working memory
+(``piper_plugin/ir/activations.py``) plus messages received and sent.
 
 The table has two pairs of columns. The first compares the two numbers the runtime and the
 scheduler produce. "corrected" recomputes both sides independently, inside this benchmark,

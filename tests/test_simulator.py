@@ -4,7 +4,7 @@ import torch
 
 from piper_plugin import capture
 from piper_plugin.api.schedule import Schedule
-from piper_plugin.ir.graph import BackwardBytes
+from piper_plugin.ir.graph import BackwardBytes, Rise
 from piper_plugin.ir.nodes import Kind
 from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
@@ -177,7 +177,7 @@ def _backward_memory_only(recipe, p, m, backward):
 def test_a_backward_holds_its_working_memory_while_it_runs(recipe):
     """One backward runs at a time on a rank: its working memory (per microbatch) is the peak."""
     p, m, per_microbatch = 2, 4, 1000
-    _, result, _ = _backward_memory_only(recipe, p, m, BackwardBytes(full=per_microbatch * m))
+    _, result, _ = _backward_memory_only(recipe, p, m, BackwardBytes(full=Rise.of(per_microbatch * m)))
     assert result.peak_transient_bytes == [per_microbatch] * p
 
 
@@ -188,7 +188,7 @@ def test_an_input_gradient_pass_keeps_what_it_recorded_until_its_weight_pass():
     from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
 
     p, m, kept = 2, 8, 1000
-    plan, result, order = _backward_memory_only("zb-h1", p, m, BackwardBytes(inputs=kept * m, kept=kept * m))
+    plan, result, order = _backward_memory_only("zb-h1", p, m, BackwardBytes(inputs=Rise.of(kept * m), kept=Rise.of(kept * m)))
     most = []
     for rank, keys in enumerate(order):
         fused, split = fused_backwards(plan, rank), input_grads_first(plan, rank)

@@ -9,11 +9,13 @@ storage; parameters' storages excluded) plus its outputs (the runtime keeps them
 roots). Its backward then runs on the same fake tensors under
 :class:`~piper_plugin.runtime.working_memory.WorkingMemory`, gradients already allocated (the
 state of every microbatch after a step's first): once whole (B), and once split as the runtime
-splits it (BI, then BW). Invariant: the simulator's activation and backward memory is the
+splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
+the parameter-sized gradients that do not, so the simulator can take the peak of a microbatch. Invariant: the simulator's activation and backward memory is the
 runtime meter's, up to allocator effects.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 
-from piper_plugin.ir.graph import BackwardBytes
+from piper_plugin.ir.graph import BackwardBytes, Rise
 
 __all__ = ["RegionMemory", "region_memory", "saved_activation_bytes"]
 
@@ -86,14 +88,15 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
                 outs, saved = _forward(chunk, args, params, tracker)
                 return args, outs, saved
 
-            tracker = WorkingMemory()
+            tracker = WorkingMemory(record=True)
             args, outs, saved = forward(tracker)
             env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
             key = _structure(program.graphs[name], chunk, args)
             if key not in measured:
-                full = _whole_backward(tracker, outs)
+                weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
+                full = _whole_backward(tracker, outs, weights)
                 del args, outs
-                measured[key] = RegionMemory(saved, _split_backward(forward, full, bool(region.params)))
+                measured[key] = RegionMemory(saved, _split_backward(forward, full, weights))
             result[name] = measured[key]
     return result
 
@@ -145,36 +148,55 @@ def _roots(outs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return roots, [torch.ones_like(t) for t in roots]
 
 
-def _whole_backward(tracker, outs) -> int:
+# A region probed on the example batch runs on microbatches of 1/k of it (k: microbatches x data
+# shards): the rises keep the levels that are the peak for one of these.
+_SCALES = tuple(1 / k for k in range(1, 65)) + tuple(1 / 2 ** k for k in range(7, 13))
+
+
+@contextlib.contextmanager
+def _probing(tracker, params: list[torch.Tensor]):
+    """``tracker`` active; each parameter's incoming gradient marked as not scaling with the batch."""
+    handles = [p.register_hook(lambda g: tracker.mark_fixed(g) or None) for p in params]
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _whole_backward(tracker, outs, params: list[torch.Tensor]) -> Rise:
     """One full backward from ``outs``: its rise above the start (saved activations, tracked by
     ``tracker`` since the forward, are let go as it goes: the level falls with them)."""
     roots, grads = _roots(outs)
     del outs
-    with tracker:
+    with _probing(tracker, params):
         if roots:
             torch.autograd.backward(roots, grads)
-    return tracker.rise
+    return Rise(tracker.rise_by_batch(_SCALES))
 
 
-def _split_backward(forward: Callable, full: int, has_params: bool) -> BackwardBytes:
+def _split_backward(forward: Callable, full: Rise, params: list[torch.Tensor]) -> BackwardBytes:
     """BI then BW as the runtime runs them, on a fresh forward (``forward(tracker)`` returns its
     inputs, outputs and saved bytes); ``full``: the whole backward's rise."""
     from piper_plugin.runtime.split_backward import backward_input
     from piper_plugin.runtime.working_memory import WorkingMemory
 
-    tracker = WorkingMemory()
+    tracker = WorkingMemory(record=True)
     args, outs, _ = forward(tracker)
     roots, grads = _roots(outs)
     del outs
     wanted = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    with tracker:
+    with _probing(tracker, params):
         got, pending = backward_input(roots, grads, wanted)
+    inputs = Rise(tracker.rise_by_batch(_SCALES))
     returned = sum(g.untyped_storage().nbytes() for g in got if g is not None)
     del got
-    if not has_params:
-        return BackwardBytes(full=full, inputs=tracker.rise)
-    kept = max(0, tracker.settle() - tracker.start - returned)  # recorded for BW, alive until it ran
-    weights = WorkingMemory()
-    with weights:
+    if not params:
+        return BackwardBytes(full=full, inputs=inputs)
+    batch, fixed = tracker.live_by_batch()  # recorded for BW, alive until it ran
+    kept = Rise.of(max(0, batch - returned), fixed)
+    weights = WorkingMemory(record=True)
+    with _probing(weights, params):
         pending.run()
-    return BackwardBytes(full=full, inputs=tracker.rise, kept=kept, weights=weights.rise)
+    return BackwardBytes(full=full, inputs=inputs, kept=kept, weights=Rise(weights.rise_by_batch(_SCALES)))

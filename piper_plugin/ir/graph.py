@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 
 from piper_plugin.ir.nodes import Node
 
-__all__ = ["DAG", "Region", "BackwardBytes", "Bucket", "CycleError", "gc_paused"]
+__all__ = ["DAG", "Region", "BackwardBytes", "Rise", "Bucket", "CycleError", "gc_paused"]
 
 
 @contextmanager
@@ -49,17 +49,33 @@ class CycleError(ValueError):
 
 
 @dataclass(frozen=True)
+class Rise:
+    """A high-water mark above a starting level, for any batch: a batch ``scale`` times the
+    probed one reaches ``max(batch part x scale + fixed part)`` over ``levels`` (the fixed part
+    is parameter-sized gradients, the same whatever the batch)."""
+
+    levels: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, batch: int, fixed: int = 0) -> "Rise":
+        return cls(((batch, fixed),))
+
+    def at(self, scale: float) -> int:
+        return max((int(batch * scale) + fixed for batch, fixed in self.levels), default=0)
+
+
+@dataclass(frozen=True)
 class BackwardBytes:
-    """Working memory of one region's backward for the example batch: what its kernels
-    allocate beyond the saved activations (gradients between its ops, temporaries, the
+    """Working memory of one region's backward, as probed on the example batch: what its
+    kernels allocate beyond the saved activations (gradients between its ops, temporaries, the
     gradients it returns), as a rise above the level at its start. ``full``: one whole
     backward (B); ``inputs``: the input-gradient pass (BI); ``kept``: what BI leaves alive for
     BW (the gradients recorded at the weight side); ``weights``: BW's rise above its start."""
 
-    full: int = 0
-    inputs: int = 0
-    kept: int = 0
-    weights: int = 0
+    full: Rise = Rise()
+    inputs: Rise = Rise()
+    kept: Rise = Rise()
+    weights: Rise = Rise()
 
 
 @dataclass

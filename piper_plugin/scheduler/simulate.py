@@ -327,22 +327,23 @@ class _Memory:
         """A backward's working memory while it runs, and what a BI keeps for its BW."""
         dag = self.plan.dag
         b = dag.regions[node.region].backward
-        per = self.shards * dag.meta.get("sharded", {}).get(node.region, 1)
+        scale, ep = 1 / self.shards, dag.meta.get("sharded", {}).get(node.region, 1)
         slot = (r, node.region, node.microbatch)
         kept = 0
         if node.kind == Kind.B:
-            rise = max(b.inputs, b.kept + b.weights) if node.key in self.split[r] else b.full
+            rise = (max(b.inputs.at(scale), b.kept.at(scale) + b.weights.at(scale)) if node.key in self.split[r]
+                    else b.full.at(scale))
         elif node.kind == Kind.BI:
             whole = node.key in self.fused[r]
-            rise = b.full if whole else b.inputs
-            kept = 0 if whole else b.kept // per
+            rise = b.full.at(scale) if whole else b.inputs.at(scale)
+            kept = 0 if whole else b.kept.at(scale) // ep
             self.for_weights[slot] = None if whole else kept
         else:
             left = self.for_weights.pop(slot, 0)
             if left is None:  # its BI ran the whole backward
                 return
-            rise, kept = b.weights, -left
-        rise //= per
+            rise, kept = b.weights.at(scale), -left
+        rise //= ep
         if rise or kept:
             self.events[r] += [(start, rise), (finish, kept - rise)]
 
