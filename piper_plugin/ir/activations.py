@@ -82,16 +82,24 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
         for name, region in program.regions.items():
             chunk = chunks[name]
 
-            def forward(tracker: WorkingMemory) -> tuple[list, Any, int]:
-                args = [env[v] if v in program.input_names or not isinstance(env[v], torch.Tensor)
+            def leaves() -> list:
+                return [env[v] if v in program.input_names or not isinstance(env[v], torch.Tensor)
                         else env[v].detach().requires_grad_(env[v].is_floating_point()) for v in region.inputs]
+
+            def forward(tracker: WorkingMemory) -> tuple[list, Any, int]:
+                args = leaves()
                 outs, saved = _forward(chunk, args, params, tracker)
                 return args, outs, saved
 
-            tracker = WorkingMemory(record=True)
-            args, outs, saved = forward(tracker)
-            env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
+            args = leaves()
             key = _structure(program.graphs[name], chunk, args)
+            if key in measured:  # only its outputs are needed, for the regions after it
+                with torch.no_grad():
+                    outs = chunk(*args)
+            else:
+                tracker = WorkingMemory(record=True)
+                outs, saved = _forward(chunk, args, params, tracker)
+            env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
             if key not in measured:
                 weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
                 full = _whole_backward(tracker, outs, weights)
