@@ -7,13 +7,7 @@ a collective starts when every member of its group reached it. If tasks remain w
 can start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
 
 Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
-plus the peak of activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a
-reduce-scatter and received buffers (from their post, :mod:`.posting`), each held until its last
-local consumer finishes. A bucket gathered for several microbatches at once is one copy (as in
-the runtime, which counts references to it). A backward task also holds its region's working
-memory while it runs (``Region.backward``, as the runtime runs that task: whole, or split in
-input and weight passes), and an input-gradient pass leaves what it recorded for the weight
-pass until that one finishes.
+plus the peak of what comes and goes (:mod:`.sim_memory`).
 """
 from __future__ import annotations
 
@@ -23,10 +17,10 @@ from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
 from piper_plugin.ir.nodes import COLLECTIVES, Kind
-from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
-from piper_plugin.scheduler.posting import POST_BUDGET, post_times, posted_streams
+from piper_plugin.scheduler.posting import POST_BUDGET
+from piper_plugin.scheduler.sim_memory import TransientMemory
 
 __all__ = ["simulate", "SimResult", "DeadlockError", "static_memory"]
 
@@ -119,7 +113,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
     timeline = []
-    memory = _Memory(plan, shards, post_budget)
+    memory = TransientMemory(plan, shards, post_budget)
     on_task = memory.on_task
     placement = dag.meta.get("placement", {})
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
@@ -235,183 +229,3 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     return SimResult(step_time=step, busy=busy, timeline=timeline, static_bytes=static,
                      peak_transient_bytes=peaks,
                      per_rank_peak=[sum(s.values()) + p for s, p in zip(static, peaks)])
-
-
-_BACKWARDS = frozenset({Kind.B, Kind.BI, Kind.BW})
-
-
-class _Memory:
-    """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
-    a posted stream: when the posting policy posts it) and freed when its last local consumer
-    finishes. A sent message is held from its SEND until the sender notices it arrived: the
-    runtime lets go of completed sends as a compute task starts, so at the start of the
-    sender's first compute task after the matching RECV finished (or at the step's end)."""
-
-    def __init__(self, plan: Plan, shards: int, post_budget: int):
-        self.plan, self.shards, self.post_budget = plan, shards, post_budget
-        world = plan.grid.world_size
-        self.events: list[list[tuple[float, int]]] = [[] for _ in range(world)]
-        self.waiting: list[dict[str, tuple[int, set[str]]]] = [{} for _ in range(world)]
-        self.released_by: list[dict[str, list[str]]] = [{} for _ in range(world)]
-        self.held: dict[str, int] = {}  # per node: the same on every rank it runs on
-        # Kinds that never hold a buffer (see _held_bytes) skip the per-node computation.
-        self.holding = {Kind.F, Kind.ALL_GATHER, Kind.RECV}
-        if any(level >= 2 for level in plan.dag.meta.get("replicated", {}).values()):
-            self.holding |= {Kind.B, Kind.BW}
-        self.posted = [posted_streams(plan, r) for r in range(world)]
-        self.receives: list[dict[str, list]] = [{} for _ in range(world)]  # posted RECV -> [bytes, first use]
-        # ZeRO-3 gathers -> [start, end, bucket, bytes]: a rank holds one copy of a bucket while any
-        # gather of it is in use (the runtime counts references; parameters do not change in a step)
-        self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
-        self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
-        self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
-        self.fused = [fused_backwards(plan, r) for r in range(world)]  # BIs run whole (their BW: nothing)
-        self.split = [input_grads_first(plan, r) for r in range(world)]  # Bs run as BI, sends, BW
-        self.for_weights: dict[tuple[int, str, int], int | None] = {}  # (rank, region, mb) -> BI's kept (None: whole)
-
-    def on_task(self, r: int, key: str, start: float, finish: float) -> None:
-        node = self.plan.dag.nodes[key]
-        if node.is_compute and self.arrived[r]:
-            self._let_go(r, start)
-        elif node.kind == Kind.SEND and node.bytes:
-            self.events[r].append((start, node.bytes))
-            self.sent[(key, r)] = node.bytes
-        elif node.kind == Kind.RECV and node.bytes:
-            dag = self.plan.dag
-            sender = self.plan.grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
-            self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
-        if node.kind in _BACKWARDS:
-            self._working(r, node, start, finish)
-        if node.kind in self.holding:
-            held = self.held.get(key)
-            if held is None:
-                held = self.held[key] = _held_bytes(self.plan, node, self.shards)
-            if held:
-                events = self.events[r]
-                consumers = _consumers(self.plan, r, key)
-                if consumers and node.kind == Kind.RECV and node.stream in self.posted[r]:
-                    self.receives[r][key] = [held, float("inf")]  # allocated when posted (peaks)
-                elif node.kind == Kind.ALL_GATHER:
-                    self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
-                    held = 0  # counted in peaks(), once per bucket while in use
-                else:
-                    events.append((start, held))
-                if consumers:
-                    self.waiting[r][key] = (held, set(consumers))
-                    released_by = self.released_by[r]
-                    for c in consumers:
-                        if c in released_by:
-                            released_by[c].append(key)
-                        else:
-                            released_by[c] = [key]
-                else:
-                    events.append((finish, -held))
-        producers = self.released_by[r].pop(key, None)
-        if producers:
-            events = self.events[r]
-            waiting = self.waiting[r]
-            receives = self.receives[r]
-            for producer in producers:
-                if producer in receives and start < receives[producer][1]:
-                    receives[producer][1] = start
-                nbytes, left = waiting[producer]
-                left.discard(key)
-                if not left:
-                    if producer in self.gathers[r]:
-                        self.gathers[r][producer][1] = finish
-                    else:
-                        events.append((finish, -nbytes))
-                    del waiting[producer]
-
-    def _working(self, r: int, node, start: float, finish: float) -> None:
-        """A backward's working memory while it runs, and what a BI keeps for its BW."""
-        dag = self.plan.dag
-        b = dag.regions[node.region].backward
-        scale, ep = 1 / self.shards, dag.meta.get("sharded", {}).get(node.region, 1)
-        slot = (r, node.region, node.microbatch)
-        kept = 0
-        if node.kind == Kind.B:
-            rise = (max(b.inputs.at(scale), b.kept.at(scale) + b.weights.at(scale)) if node.key in self.split[r]
-                    else b.full.at(scale))
-        elif node.kind == Kind.BI:
-            whole = node.key in self.fused[r]
-            rise = b.full.at(scale) if whole else b.inputs.at(scale)
-            kept = 0 if whole else b.kept.at(scale) // ep
-            self.for_weights[slot] = None if whole else kept
-        else:
-            left = self.for_weights.pop(slot, 0)
-            if left is None:  # its BI ran the whole backward
-                return
-            rise, kept = b.weights.at(scale), -left
-        rise //= ep
-        if rise or kept:
-            self.events[r] += [(start, rise), (finish, kept - rise)]
-
-    def _let_go(self, r: int, start: float) -> None:
-        """Sends that arrived before a compute task starting at ``start`` on rank ``r`` free
-        their buffers then."""
-        waiting = []
-        for arrival, nbytes in self.arrived[r]:
-            if arrival < start:
-                self.events[r].append((start, -nbytes))
-            else:
-                waiting.append((arrival, nbytes))
-        self.arrived[r] = waiting
-
-    def peaks(self) -> list[int]:
-        out = []
-        for r, receives in enumerate(self.receives):
-            events = list(self.events[r]) + _bucket_spans(self.gathers[r].values())
-            for stream in self.posted[r]:
-                order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
-                events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
-            level = peak = 0
-            for _, delta in sorted(events):
-                level += delta
-                peak = max(peak, level)
-            out.append(peak)
-        return out
-
-
-def _bucket_spans(gathers) -> list[tuple[float, int]]:
-    """Memory events of gathered buckets: overlapping uses of one bucket share a copy."""
-    events: list[tuple[float, int]] = []
-    by_bucket: dict[tuple, list[list]] = {}
-    for span in gathers:
-        by_bucket.setdefault(span[2], []).append(span)
-    for spans in by_bucket.values():
-        spans.sort(key=lambda s: s[0])
-        start, end, _, nbytes = spans[0]
-        for s in spans[1:]:
-            if s[0] < end:  # still held when this gather lands: no second copy
-                end = max(end, s[1])
-                continue
-            events += [(start, nbytes), (end, -nbytes)]
-            start, end = s[0], s[1]
-        events += [(start, nbytes), (end, -nbytes)]
-    return events
-
-
-def _held_bytes(plan: Plan, node, shards: int) -> int:
-    dag = plan.dag
-    if node.kind == Kind.F:
-        return dag.regions[node.region].activation_bytes // shards // plan.dag.meta.get("sharded", {}).get(node.region, 1)
-    if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
-        return node.bytes * len(next(iter(plan.grid.groups(node.axis, node.devices))))
-    if node.kind == Kind.RECV:
-        return node.bytes
-    if node.kind in (Kind.B, Kind.BW) and dag.meta.get("replicated", {}).get(node.region, 0) >= 2:
-        sizes = dag.meta["param_bytes"]
-        return sum(sizes[p] for p in dag.meta["update_params"][node.region]) // dag.meta.get("sharded", {}).get(node.region, 1)
-    return 0
-
-
-def _consumers(plan: Plan, r: int, key: str) -> list[str]:
-    """Local tasks after which a buffer made by ``key`` is released."""
-    dag = plan.dag
-    node = dag.nodes[key]
-    if node.kind == Kind.F:  # activations live until the backward that finishes with them
-        last = Kind.BW if dag.meta.get("split_backward") and dag.regions[node.region].params else (
-            Kind.BI if dag.meta.get("split_backward") else Kind.B)
-        return [s for s in dag.data_succ[key] if dag.nodes[s].kind == last]
-    return [s for s in dag.data_succ[key] if r in dag.nodes[s].devices]
