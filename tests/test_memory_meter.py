@@ -134,3 +134,32 @@ def test_working_memory_counts_what_ops_make_until_it_is_freed():
     assert high_so_far == 8000 and w.live == 8000 and w.rise == 8000
     del b, c, d, e
     assert w.settle() == 0
+
+
+def test_a_first_gradient_is_kept_state_not_working_memory():
+    """A step's first backward makes each parameter's .grad (kept state, counted as gradients);
+    later ones make a temporary and add it in. Either way the backward's working memory is the
+    same: a new .grad leaves the working count once accumulated."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 512), nn.Tanh(), nn.Linear(512, 64))
+    x = torch.randn(64, 8)
+    rises = []
+    for grads_exist in (False, True):
+        meter = MemoryMeter()
+        meter.ignore(list(model.parameters()))
+        model.zero_grad(set_to_none=not grads_exist)
+        if grads_exist:
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        meter.begin_step(SHAPES)
+        with meter.window("F0", saves=True):
+            y = model(x).sum()
+        start = meter.current
+        with meter.window("B0"):
+            y.backward()
+            del y
+        rises.append(meter.peak - start)
+    # the widest moment: the gradient reaching tanh and tanh's own (64 x 512 floats each), while
+    # the last layer's weight gradient (512 x 64 floats) is no longer working memory
+    assert rises[0] == rises[1] >= 2 * 64 * 512 * 4
+    assert rises[0] < 3 * 64 * 512 * 4

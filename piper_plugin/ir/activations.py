@@ -1,8 +1,8 @@
 """What each region's forward keeps for its backward, and what its backward allocates,
 measured without real memory.
 
-The regions run once, in order, on fake CPU tensors (FakeTensorMode picks the kernels the
-CPU would: e.g. the fused SDPA that saves q, k, v, out and a log-sum-exp, not the math path's
+The regions run in order on fake CPU tensors (FakeTensorMode picks the kernels the CPU
+would: e.g. the fused SDPA that saves q, k, v, out and a log-sum-exp, not the math path's
 attention matrix), each input from another region made a fresh autograd leaf as the runtime
 does. A region's activation bytes are the storages autograd saves (each once: views share a
 storage; parameters' storages excluded) plus its outputs (the runtime keeps them as backward
@@ -10,8 +10,9 @@ roots). Its backward then runs on the same fake tensors under
 :class:`~piper_plugin.runtime.working_memory.WorkingMemory`, gradients already allocated (the
 state of every microbatch after a step's first): once whole (B), and once split as the runtime
 splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
-the parameter-sized gradients that do not, so the simulator can take the peak of a microbatch. Invariant: the simulator's activation and backward memory is the
-runtime meter's, up to allocator effects.
+the parameter-sized gradients that do not, so the simulator can read a microbatch's peak.
+Regions of one structure on inputs of one shape are measured once. Invariant: the simulator's
+activation and backward memory is the runtime meter's, up to allocator effects.
 """
 from __future__ import annotations
 
