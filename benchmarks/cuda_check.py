@@ -114,7 +114,8 @@ def _train(job) -> dict[str, Any]:
     return {"errors": errors, "memory": memory, "streams": streams,
             "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3,
             "bubble": _bubbles(plan, timelines, simulated),
-            "timeline_faults": _timeline_faults(plan, timelines, last_step_s)}
+            "timeline_faults": _timeline_faults(plan, timelines, last_step_s),
+            "backward_working": max(r.backward.full.at(1 / plan.microbatches) for r in program.regions.values())}
 
 
 def _bubbles(plan, timelines: dict[int, list], simulated) -> tuple[float, float, float]:
@@ -291,10 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     record("zb-h1 1 rank, BW stream", _train(_job(args, recipe="zb-h1", pp=1, wgrad_stream=True)))
     one_rank = _job(args, recipe="1f1b", pp=1)
-    record("1f1b 1 rank", _train(one_rank))
+    trained = _train(one_rank)
+    record("1f1b 1 rank", trained)
     piper_ms = _piper_step_ms(one_rank)
     plain_ms = _plain_step_ms(one_rank, args.microbatches)
-    probed = max(r.backward.full.at(1 / args.microbatches) for r in compile_job(one_rank)[0].regions.values())
+    probed = trained["backward_working"]
     working = (f"Backward working memory of one microbatch (the largest region's): size probe on fake tensors, "
                f"as the simulator charges it, {probed / 2**20:.2f} MiB")
     if args.device == "cuda":

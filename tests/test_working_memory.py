@@ -6,37 +6,8 @@ import pytest
 import torch
 
 from piper_plugin import capture
-from piper_plugin.ir.activations import _forward, _split_backward, _whole_backward
+from piper_plugin.ir.activations import region_memory
 from piper_plugin.models import build_toy_lm, build_toy_moe, lm_batch, lm_loss
-from piper_plugin.runtime.working_memory import WorkingMemory
-
-
-def _real(program, model, batch, name):
-    """The region's backward memory on real tensors of ``batch`` (regions before it run first)."""
-    chunks = program.instantiate(model, lm_loss)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    env = dict(zip(program.input_names, batch))
-    for region_name, region in program.regions.items():
-        chunk = chunks[region_name]
-
-        def forward(tracker, region=region, chunk=chunk):
-            args = [env[v] if v in program.input_names else env[v].detach().requires_grad_(env[v].is_floating_point())
-                    for v in region.inputs]
-            outs, saved = _forward(chunk, args, params, tracker)
-            return args, outs, saved
-
-        if region_name == name:
-            weights = [p for p in chunk.parameters() if p.requires_grad]
-            tracker = WorkingMemory(record=True)
-            _, outs, _ = forward(tracker)
-            full = _whole_backward(tracker, outs, weights)
-            return _split_backward(forward, full, weights)
-        with torch.no_grad():
-            outs = chunk(*[env[v] for v in region.inputs])
-        env.update(zip(region.outputs, outs))
-    raise KeyError(name)
 
 
 def _compare(build, k: int):
@@ -49,11 +20,12 @@ def _compare(build, k: int):
         meta, _ = build(stages=2, layers=2)
     program = capture(meta, lm_loss, (tokens,), targets)
     micro = (tokens[: 8 // k], targets[: 8 // k])
+    real = region_memory(program, model, lm_loss, micro, fake=False)
     rows = []
     for name, region in program.regions.items():
-        real = _real(program, model, micro, name)
         for part in ("full", "inputs", "kept", "weights"):
-            rows.append((name, part, getattr(region.backward, part).at(1 / k), getattr(real, part).at(1.0)))
+            rows.append((name, part, getattr(region.backward, part).at(1 / k),
+                         getattr(real[name].backward, part).at(1.0)))
     assert any(probed > 0 for name, part, probed, _ in rows if part == "full")
     return rows
 

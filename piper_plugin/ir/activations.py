@@ -28,6 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 
 from piper_plugin.ir.graph import BackwardBytes, Rise
+from piper_plugin.runtime.split_backward import backward_input
+from piper_plugin.runtime.working_memory import WorkingMemory
 
 __all__ = ["RegionMemory", "region_memory", "saved_activation_bytes"]
 
@@ -62,24 +64,26 @@ def saved_activation_bytes(program, model: nn.Module, loss_fn: Callable, inputs:
     return {name: m.saved for name, m in region_memory(program, model, loss_fn, inputs).items()}
 
 
-def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any]) -> dict[str, RegionMemory]:
-    """Per region (in program order, each fed the fake outputs of those before): what one
-    forward keeps and what its backward allocates. Regions of one structure on inputs of one
-    shape (a model's repeated layers) are measured once."""
-    from piper_plugin.runtime.working_memory import WorkingMemory
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = _fake_copy(model, mode)
-    chunks = program.instantiate(fake, loss_fn)
-    params = {p.untyped_storage()._cdata for p in fake.parameters()}
+def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any],
+                  fake: bool = True) -> dict[str, RegionMemory]:
+    """Per region (in program order, each fed the outputs of those before): what one forward
+    keeps and what its backward allocates. Regions of one structure on inputs of one shape (a
+    model's repeated layers) are measured once. ``fake=False`` measures ``model`` itself on
+    real tensors instead (a check of the fake run; it zeroes the model's gradients)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    if fake:
+        model = _fake_copy(model, mode)
+        inputs = [mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor)
+                  else t for t in inputs]
+    chunks = program.instantiate(model, loss_fn)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     result: dict[str, RegionMemory] = {}
     measured: dict[str, RegionMemory] = {}
     with mode:
-        for p in fake.parameters():
+        for p in model.parameters():
             if p.requires_grad:  # gradients exist: a backward's new ones are temporaries added in
                 p.grad = torch.zeros_like(p)
-        env: dict[str, Any] = {n: mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t)
-                               if isinstance(t, torch.Tensor) else t for n, t in zip(program.input_names, inputs)}
+        env: dict[str, Any] = dict(zip(program.input_names, inputs))
         for name, region in program.regions.items():
             chunk = chunks[name]
 
@@ -92,21 +96,23 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
                 outs, saved = _forward(chunk, args, params, tracker)
                 return args, outs, saved
 
+            def keep(outs) -> None:  # the regions after this one read its outputs
+                env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
+
             args = leaves()
             key = _structure(program.graphs[name], chunk, args)
-            if key in measured:  # only its outputs are needed, for the regions after it
+            if key in measured:
                 with torch.no_grad():
-                    outs = chunk(*args)
-            else:
-                tracker = WorkingMemory(record=True)
-                outs, saved = _forward(chunk, args, params, tracker)
-            env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
-            if key not in measured:
-                weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
-                full = _whole_backward(tracker, outs, weights)
-                del args, outs
-                measured[key] = RegionMemory(saved, _split_backward(forward, full, weights))
-            result[name] = measured[key]
+                    keep(chunk(*args))
+                result[name] = measured[key]
+                continue
+            tracker = WorkingMemory(record=True)
+            outs, saved = _forward(chunk, args, params, tracker)
+            keep(outs)
+            weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
+            full = _whole_backward(tracker, outs, weights)
+            del args, outs
+            result[name] = measured[key] = RegionMemory(saved, _split_backward(forward, full, weights))
     return result
 
 
@@ -188,9 +194,6 @@ def _whole_backward(tracker, outs, params: list[torch.Tensor]) -> Rise:
 def _split_backward(forward: Callable, full: Rise, params: list[torch.Tensor]) -> BackwardBytes:
     """BI then BW as the runtime runs them, on a fresh forward (``forward(tracker)`` returns its
     inputs, outputs and saved bytes); ``full``: the whole backward's rise."""
-    from piper_plugin.runtime.split_backward import backward_input
-    from piper_plugin.runtime.working_memory import WorkingMemory
-
     tracker = WorkingMemory(record=True)
     args, outs, _ = forward(tracker)
     roots, grads = _roots(outs)

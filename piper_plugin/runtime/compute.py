@@ -87,7 +87,7 @@ def _backward_input(state: RankState, node: Node) -> None:
         else:
             del state.saved[key], pending
     if key in state.pending_bw:  # counted from here until BW has run
-        state.meter.add(state.pending_bw[key].recorded_bytes())
+        state.meter.add(state.pending_bw[key].recorded_bytes)
     got = iter(got)
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
 
@@ -98,11 +98,10 @@ def _weight_grads(state: RankState, node: Node) -> None:
     if key not in state.pending_bw:
         return
     pending = state.pending_bw.pop(key)
-    kept = pending.recorded_bytes()
     with state.meter.window(node.key):
         pending.run()
-        del state.saved[key], pending
-    state.meter.add(-kept)
+        del state.saved[key]
+    state.meter.add(-pending.recorded_bytes)
 
 
 def _backward_weight(state: RankState, node: Node) -> None:

@@ -45,15 +45,13 @@ class PendingWeightGrads:
         self.outs, self.grads = outs, grads
         self._groups, self._recorded = groups, recorded
         self._roots = (root_edges, root_grads, root_weights)
-
-    def recorded_bytes(self) -> int:
-        """Bytes of the gradients recorded at the frontier (each storage once): what BI made
-        and leaves alive for BW, beyond the chunk's saved activations and output gradients."""
+        # what BI made and leaves alive for BW, beyond the chunk's saved activations and output
+        # gradients: the recorded gradients, each storage once
         storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes()
-                    for grads in self._recorded.values() for g in grads if g is not None}
-        for g in self.grads:
+                    for grads in recorded.values() for g in grads if g is not None}
+        for g in grads:
             storages.pop(g.untyped_storage()._cdata, None)
-        return sum(storages.values())
+        self.recorded_bytes = sum(storages.values())
 
     def run(self) -> None:
         """Accumulate every weight gradient into ``.grad``; the graph is released afterwards."""

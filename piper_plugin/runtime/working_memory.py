@@ -43,13 +43,10 @@ class WorkingMemory(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # serial -> bytes (with ``record``)
         self._fixed: set[int] = set()  # serials of storages that do not scale with the batch
         self._snapshots: list[frozenset[int]] = []
-        self._start_set: frozenset[int] = frozenset()
 
     def __enter__(self):
         self._expire()
         self.start = self.high = self.live
-        if self.record:
-            self._start_set = self._snapshot()
         return super().__enter__()
 
     def track(self, storage: torch.UntypedStorage) -> None:
@@ -110,8 +107,7 @@ class WorkingMemory(TorchDispatchMode):
 
     def _split(self, live: frozenset[int]) -> tuple[int, int]:
         fixed = sum(self._sizes[i] for i in live & self._fixed)
-        start = sum(self._sizes[i] for i in self._start_set)
-        return sum(self._sizes[i] for i in live) - fixed - start, fixed
+        return sum(self._sizes[i] for i in live) - fixed - self.start, fixed
 
     def rise_by_batch(self, scales: Iterable[float]) -> tuple[tuple[int, int], ...]:
         """The ops' levels above the start as (batch part, fixed part), reduced to those that are
