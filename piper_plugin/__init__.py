@@ -1,5 +1,52 @@
-"""Piper: a programmable distributed-training engine (annotations -> directives -> DAG -> plans)."""
-from piper_plugin.api.annotate import annotate, annotate_modules
-from piper_plugin.ir.capture import Program, capture
+"""Piper: a programmable distributed-training engine.
 
-__all__ = ["annotate", "annotate_modules", "capture", "Program"]
+    model + annotations --capture--> single-device DAG --directives--> global training DAG
+        --scheduler--> per-rank plans --runtime--> workers
+
+``__all__`` is the published API: host adapters, benchmarks and users import these names and
+nothing else from the engine.
+
+- annotate regions: :func:`annotate` (inside ``forward``), :func:`annotate_modules` (by name)
+- capture: :func:`capture` (traced regions) and :meth:`Program.from_regions` (module regions
+  a host cut itself, described by :class:`Region`)
+- directives: :class:`Schedule`; errors: :class:`DirectiveError`
+- recipes: :mod:`piper_plugin.recipes` (``recipes.load(name | file.py | trace.json)``)
+- compile: :func:`compile` / :func:`compile_program` -> :class:`Compiled` (program, schedule,
+  plan, simulation)
+- run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig`;
+  :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
+  :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces
+- Piper's own launchers: :class:`Job`, :func:`run` -> :class:`RunResult`; :func:`start_ray`
+- errors a caller handles: :class:`UsageError`, :class:`CaptureError`, :class:`PlanError`,
+  :class:`PlanMismatch`, :class:`WorkerFailed`
+"""
+from piper_plugin.api.annotate import annotate, annotate_modules
+from piper_plugin.api.errors import DirectiveError
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.ir.capture import CaptureError, Program, capture
+from piper_plugin.ir.graph import Region
+from piper_plugin.scheduler.plan import PlanError
+from piper_plugin.scheduler.simulate import simulate
+from piper_plugin.compiler import Compiled, compile, compile_program
+from piper_plugin import recipes
+from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch
+from piper_plugin.runtime.pieces import stitch
+from piper_plugin.runtime.value_specs import ValueSpec, probe_values
+from piper_plugin.runtime.job import Job
+from piper_plugin.runtime.memory import MemoryMeter
+from piper_plugin.runtime.launch.processes import WorkerFailed
+from piper_plugin.runtime.launch.ray_actors import start_ray
+from piper_plugin.training import RunResult, run
+from piper_plugin.train_report import measured_costs, measured_result
+from piper_plugin.cli_args import UsageError
+
+__all__ = [
+    "annotate", "annotate_modules",
+    "capture", "Program", "Region",
+    "Schedule", "DirectiveError",
+    "recipes",
+    "compile", "compile_program", "Compiled", "simulate", "measured_result", "measured_costs",
+    "Executor", "ExecutorConfig", "ValueSpec", "probe_values", "stitch", "MemoryMeter",
+    "Job", "run", "RunResult", "start_ray",
+    "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
+]

@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from piper_plugin.data.text import TextBatches, vocab_size
 from piper_plugin.models import TOY_MODELS, lm_loss
-from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.compiler import compile_job
+from piper_plugin.runtime.job import Job
 
 __all__ = ["toy_job", "run", "RunResult", "LAUNCHERS"]
 

@@ -8,8 +8,8 @@ import torch
 
 from piper_plugin import capture
 from piper_plugin.api.schedule import Schedule
-from piper_plugin.runtime.parity import rel
-from piper_plugin.runtime.reference import ReferenceExecutor
+from benchmarks.parity_oracle import rel
+from reference_executor import ReferenceExecutor
 from piper_plugin.scheduler.plan import build_plan
 from piper_plugin.scheduler.simulate import simulate
 
@@ -74,9 +74,10 @@ def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int 
     """Train on forked gloo ranks and compare with one device: every step's loss, and every
     rank's gradient and parameter pieces after the last step."""
     from piper_plugin.models import lm_loss
-    from piper_plugin.runtime.job import Job, compile_job
+    from piper_plugin.compiler import compile_job
+    from piper_plugin.runtime.job import Job
     from piper_plugin.runtime.launch.processes import run_forked
-    from piper_plugin.runtime.parity import single_device_errors
+    from benchmarks.parity_oracle import single_device_errors
 
     job = Job(model_fn, lm_loss, lm_data(cfg, batch), schedule_fn, adamw, steps=steps, capture_grads=True,
               timeout_s=60)

@@ -62,7 +62,7 @@ def test_moe_experts_are_their_own_regions_inside_stages():
     program = piper.capture(model, lm_loss, (x,), y)
     experts = [r for r in program.regions.values() if r.tags.get("EP") == "experts"]
     assert len(experts) == cfg.n_layers and all("PP" in r.tags for r in experts)
-    assert all(program.dag.meta["param_shapes"][p][0] == cfg.n_experts for r in experts for p in r.params)
+    assert all(program.dag.meta.param_shapes[p][0] == cfg.n_experts for r in experts for p in r.params)
 
 
 def test_chunks_reproduce_the_model_bit_for_bit():

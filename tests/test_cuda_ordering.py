@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fake_cuda import FakeCuda
-from piper_plugin.runtime.streams import StreamRunner
+from piper_plugin.runtime.streams import RunnerConfig, StreamRunner
 from piper_plugin.scheduler.plan import RankPlan
 
 
@@ -15,7 +15,7 @@ def _plan() -> RankPlan:
     # s1 sends what f1 and g1 made
     streams = {"compute": ["f0", "f1"], "side": ["g1"], "recv": ["r0"], "send": ["s1"]}
     deps = {"f0": (), "r0": (), "f1": ("f0", "r0"), "g1": ("r0",), "s1": ("f1", "g1")}
-    return RankPlan(rank=0, streams=streams, deps=deps)
+    return RankPlan(rank=0, streams=streams, deps=deps, inline="compute", posted=("send", "recv"))
 
 
 def _execute(cuda: FakeCuda, comm, step: int):
@@ -54,8 +54,8 @@ def test_every_dependency_is_ordered_on_the_device(monkeypatch):
     comm = cuda.new_stream()
     plan = _plan()
     for step in range(20):  # which consumer of r0 runs its completion varies from step to step
-        runner = StreamRunner(0, plan, _execute(cuda, comm, step), timeout_s=10, device=torch.device("cuda", 0),
-                              inline="compute", posted=["send", "recv"])
+        runner = StreamRunner(plan, _execute(cuda, comm, step), RunnerConfig(timeout_s=10),
+                              device=torch.device("cuda", 0))
         cuda.default.enqueue(f"batch@{step}")  # the caller's work before the step
         runner.run_step()
         _check_order(cuda, plan, step, "")
@@ -79,8 +79,7 @@ def test_the_gpu_timeline_is_device_time(monkeypatch):
             return None
         return lambda seconds: cuda.current_stream().wait_stream(comm)
 
-    runner = StreamRunner(0, _plan(), execute, timeout_s=10, device=torch.device("cuda", 0),
-                          inline="compute", posted=["send", "recv"])
+    runner = StreamRunner(_plan(), execute, RunnerConfig(timeout_s=10), device=torch.device("cuda", 0))
     cuda.default.enqueue("batch", 5.0)  # queued before the step: the origin is where it ends
     runner.run_step()
     span = {key: (start, end) for _, key, start, end in runner.timeline}
@@ -152,17 +151,13 @@ def _comm_execute(cuda: FakeCuda, plan, comm: dict, step: int):
     ("1f1b", 2, 2, 1, 3), ("zb-h1", 1, 2, 1, 2), ("dualpipev", 2, 1, 2, 0)])
 def test_every_recipe_rank_is_ordered_on_the_device(monkeypatch, recipe, pp, dp, ep, zero):
     """The same on every rank of real recipe plans (P2P posted, collectives on their threads)."""
-    from piper_plugin.runtime.streams import compute_stream
-    from piper_plugin.scheduler.posting import posted_streams
-
     plan = _recipe_plan(recipe, pp, dp, ep, zero)
     for rank, rank_plan in enumerate(plan.ranks):
         cuda = FakeCuda(monkeypatch)
         comm: dict = {}
         for step in range(2):
-            runner = StreamRunner(rank, rank_plan, _comm_execute(cuda, plan, comm, step), timeout_s=30,
-                                  device=torch.device("cuda", 0), inline=compute_stream(plan, rank),
-                                  posted=posted_streams(plan, rank))
+            runner = StreamRunner(rank_plan, _comm_execute(cuda, plan, comm, step), RunnerConfig(timeout_s=30),
+                                  device=torch.device("cuda", 0))
             cuda.default.enqueue(f"batch@{step}")
             runner.run_step()
             _check_order(cuda, rank_plan, step, f"rank {rank} ")

@@ -70,6 +70,25 @@ def test_dag_json_is_complete():
     assert len(data["data"]) + len(data["temporal"]) == sch.dag.num_edges()
 
 
+def test_passes_record_meta_on_their_own_copy():
+    """Schedule, place, replicate and split write the schedule's DAG meta, never the program's;
+    DAG.copy gives the copy its own maps."""
+    program = _program()
+    captured = program.dag.meta.copy()
+    assert captured.param_bytes and captured.loss_region and captured.inputs
+    sch = Schedule(program, pp=2, dp=2)
+    apply_recipe(sch, "1f1b", microbatches=2, zero=1)
+    meta = sch.dag.meta
+    assert meta.grid == sch.grid and meta.microbatches == 2 and not meta.split_backward
+    assert set(meta.placement) == set(program.regions) and set(meta.replicated) == set(program.regions)
+    assert program.dag.meta == captured
+    assert program.dag.meta.placement == {} and program.dag.meta.microbatches is None
+    copy = sch.dag.copy()
+    copy.meta.placement["extra"] = 0
+    copy.meta.sharded["extra"] = 2
+    assert "extra" not in meta.placement and "extra" not in meta.sharded
+
+
 def _split_schedule():
     sch = Schedule(_program(), pp=2)
     apply_recipe(sch, "gpipe", microbatches=2)

@@ -119,7 +119,7 @@ def test_a_task_with_two_windows_replays_each_once():
 def test_working_memory_counts_what_ops_make_until_it_is_freed():
     """New storages count from the op that made them until freed; views and in-place results
     are not new; a tensor handed to other accounting is forgotten."""
-    from piper_plugin.runtime.working_memory import WorkingMemory
+    from piper_plugin.autograd.working_memory import WorkingMemory
 
     kept = torch.ones(1000)
     with WorkingMemory() as w:

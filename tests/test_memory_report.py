@@ -7,7 +7,7 @@ import pytest
 from benchmarks._common import lm_config, lm_job
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import compile_job
+from piper_plugin.compiler import compile_job
 from piper_plugin.runtime.launch.processes import run_forked
 
 

@@ -14,7 +14,8 @@ import torch
 
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.compiler import compile_job
+from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import run_forked
 import emulated
 

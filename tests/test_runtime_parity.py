@@ -54,26 +54,25 @@ def test_only_a_ranks_last_backward_that_feeds_a_send_goes_input_gradients_first
     """1F1B on 4 ranks: every rank but the first splits its last backward (BI, send, BW). With
     dp=2 (here ZeRO-2) the gradient reductions wait for that B on another stream: none is split."""
     from benchmarks._common import lm_config, lm_job
-    from piper_plugin.runtime.job import compile_job
-    from piper_plugin.scheduler.backward_passes import input_grads_first
+    from piper_plugin.compiler import compile_job
     from piper_plugin.scheduler.plan import build_plan
 
     cfg = lm_config(dim=32, layers=4, heads=2, ffn=64, seq=8, vocab=64)
     _, _, plan, _ = compile_job(lm_job(cfg, recipe="1f1b", pp=4, microbatches=4, batch=8))
-    assert [sorted(input_grads_first(plan, r)) for r in range(4)] == [[], ["1B3"], ["2B3"], ["3B3"]]
+    assert [sorted(rp.split_first) for rp in plan.ranks] == [[], ["1B3"], ["2B3"], ["3B3"]]
     program = compile_job(lm_job(cfg, recipe="1f1b", pp=2, microbatches=4, batch=8))[0]
     sch = apply_recipe(Schedule(program, pp=2, dp=2), "1f1b", microbatches=4, zero=2)
     plan = build_plan(sch.dag, sch.grid)
-    assert all(not input_grads_first(plan, r) for r in range(plan.grid.world_size))
+    assert all(not rp.split_first for rp in plan.ranks)
 
 
 def test_the_comparison_sees_a_wrong_loss_gradient_or_parameter():
     """single_device_errors is what every parity test above asserts on: it must report a
     perturbed loss, gradient piece or parameter piece, naming where."""
     from benchmarks._common import lm_config, lm_job
-    from piper_plugin.runtime.job import compile_job
+    from piper_plugin.compiler import compile_job
     from piper_plugin.runtime.launch.processes import run_forked
-    from piper_plugin.runtime.parity import single_device_errors
+    from benchmarks.parity_oracle import single_device_errors
 
     job = lm_job(lm_config(dim=16, layers=2, heads=2, ffn=32, seq=8, vocab=32), recipe="1f1b", pp=2,
                  microbatches=2, batch=4)
@@ -85,9 +84,10 @@ def test_the_comparison_sees_a_wrong_loss_gradient_or_parameter():
     for m in metrics:
         if "loss" in m and m["step"] == 1:
             m["loss"] *= 1.01
-    per_rank[0]["grad_pieces"][0].flat[0] += 1.0
-    per_rank[1]["param_pieces"][0].flat[0] += 1.0
+    grad_piece, param_piece = per_rank[0]["grad_pieces"][0], per_rank[1]["param_pieces"][0]
+    grad_piece.flat[0] += 1.0
+    param_piece.flat[0] += 1.0
     errors = single_device_errors(job, metrics, per_rank)
     assert errors.loss > 1e-3 and errors.where["loss"].startswith("step 1")
-    assert errors.grad > 1e-3 and errors.where["grad"].startswith("rank 0")
-    assert errors.param > 1e-3 and errors.where["param"].startswith("rank 1")
+    assert errors.grad > 1e-3 and errors.where["grad"] == grad_piece.names[0].removeprefix("model.")
+    assert errors.param > 1e-3 and errors.where["param"] == param_piece.names[0].removeprefix("model.")

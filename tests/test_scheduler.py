@@ -38,7 +38,7 @@ def test_p2p_sends_and_receives_match_in_order(plan):
             sends = [k for k in keys if dag.nodes[k].kind == Kind.SEND]
             if not sends:
                 continue
-            dst = grid.peer(rank, dag.meta["placement"][dag.nodes[dag.nodes[sends[0]].peer].region])
+            dst = grid.peer(rank, dag.meta.placement[dag.nodes[dag.nodes[sends[0]].peer].region])
             recvs = [k for k in plan.ranks[dst].streams[stream] if dag.nodes[k].kind == Kind.RECV]
             assert [dag.nodes[k].peer for k in sends] == recvs
 

@@ -10,7 +10,7 @@ from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
 from piper_plugin.recipes import apply_recipe, stages_needed
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import build_plan
-from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET, posted_streams
+from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET
 from piper_plugin.scheduler.simulate import simulate
 
 F, B, W = 1.0, 2.0, 1.0  # per pipeline stage of a one-chunk schedule; B is the full backward
@@ -104,7 +104,7 @@ def test_posted_streams_list_send_streams_first():
     streams in this order); a middle rank of 1F1B has a send and a receive stream each way."""
     plan, _ = _simulate("1f1b", 4, 8)
     for rank in range(4):
-        streams = posted_streams(plan, rank)
+        streams = plan.ranks[rank].posted
         sends = [any(plan.dag.nodes[k].kind.value == "SEND" for k in plan.ranks[rank].streams[s]) for s in streams]
         assert any(sends) and sends == sorted(sends, reverse=True)  # by name, p2p:0>1 (a receive) came first
         assert len(streams) == (2 if rank in (0, 3) else 4)
@@ -185,13 +185,11 @@ def test_an_input_gradient_pass_keeps_what_it_recorded_until_its_weight_pass():
     """Zero-bubble: each BI not run whole (its BW does not follow at once) leaves ``kept`` bytes
     until its BW finished; a B the runtime splits (input gradients first) holds them inside
     itself. The peak is the most outstanding at once, counted from each rank's task order."""
-    from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
-
     p, m, kept = 2, 8, 1000
     plan, result, order = _backward_memory_only("zb-h1", p, m, BackwardBytes(inputs=Rise.of(kept * m), kept=Rise.of(kept * m)))
     most = []
     for rank, keys in enumerate(order):
-        fused, split = fused_backwards(plan, rank), input_grads_first(plan, rank)
+        fused, split = plan.ranks[rank].fused, plan.ranks[rank].split_first
         outstanding = high = 0
         for key in keys:
             kind = plan.dag.nodes[key].kind

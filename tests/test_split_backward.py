@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from piper_plugin.runtime.split_backward import backward_input
+from piper_plugin.autograd.split_backward import backward_input
 
 
 def _check(fn, inputs, weights):
@@ -109,8 +109,8 @@ def test_split_backward_releases_every_saved_activation(recipe):
     """After each step no activation is left in any rank's meter: a retained graph must not be
     kept alive by the meter's own hold on saved outputs."""
     from benchmarks._common import lm_config, lm_job
-    from piper_plugin.runtime.job import compile_job
-    from piper_plugin.runtime.reference import ReferenceExecutor
+    from piper_plugin.compiler import compile_job
+    from reference_executor import ReferenceExecutor
 
     job = lm_job(lm_config(dim=16, layers=4, heads=2, ffn=32, seq=8, vocab=64), recipe=recipe, pp=2,
                  microbatches=4, batch=8)

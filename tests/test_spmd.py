@@ -7,7 +7,8 @@ import torch.distributed as dist
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_loss
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.compiler import compile_job
+from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import free_port
 from piper_plugin.runtime.launch.spmd import PlanMismatch, check_plan_hash
 from parity import adamw, lm_data

@@ -6,8 +6,18 @@ import time
 
 import pytest
 
-from piper_plugin.runtime.streams import Continue, StreamRunner, TaskFailed
+import dataclasses
+
+from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner, TaskFailed
 from piper_plugin.scheduler.plan import RankPlan
+from piper_plugin.scheduler.posting import POST_BUDGET
+
+
+def _runner(plan: RankPlan, execute, *, timeout_s: float, inline: str | None = None, posted=(), sizes=None,
+            post_budget: int = POST_BUDGET, **kw) -> StreamRunner:
+    """A runner over ``plan`` completed as the scheduler's lowering would complete it."""
+    plan = dataclasses.replace(plan, inline=inline, posted=tuple(posted), post_bytes=dict(sizes or {}))
+    return StreamRunner(plan, execute, RunnerConfig(timeout_s=timeout_s, post_budget=post_budget), **kw)
 
 
 def _plan() -> RankPlan:
@@ -27,7 +37,7 @@ def test_compute_stream_runs_on_the_callers_thread():
         ran[key] = threading.get_ident()
         order.append(key)
 
-    StreamRunner(0, _plan(), execute, timeout_s=10, inline="compute").run_step()
+    _runner(_plan(), execute, timeout_s=10, inline="compute").run_step()
     me = threading.get_ident()
     assert ran["f0"] == ran["f1"] == me
     assert ran["r0"] == ran["s1"] != me
@@ -42,7 +52,7 @@ def test_a_failure_on_either_stream_ends_the_step(failing):
 
     start = time.monotonic()
     with pytest.raises(TaskFailed, match=f"task {failing}.*bad {failing}") as info:
-        StreamRunner(0, _plan(), execute, timeout_s=30, inline="compute").run_step()
+        _runner(_plan(), execute, timeout_s=30, inline="compute").run_step()
     assert "Traceback" in info.value.details
     assert time.monotonic() - start < 5  # the other stream stopped at its next wait, not at the timeout
 
@@ -53,7 +63,7 @@ def test_a_missing_message_times_out_naming_the_wait():
             time.sleep(3)
 
     with pytest.raises(TaskFailed, match="f1 waits for r0|waited more than 1s for r0"):
-        StreamRunner(0, _plan(), execute, timeout_s=1, inline="compute").run_step()
+        _runner(_plan(), execute, timeout_s=1, inline="compute").run_step()
 
 
 def _p2p_plan() -> RankPlan:
@@ -83,7 +93,7 @@ def test_posted_streams_run_on_no_thread_of_their_own():
             return complete
         return None
 
-    runner = StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"})
+    runner = _runner(_p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"})
     runner.run_step()
     me = threading.get_ident()
     assert {thread for _, _, thread in events} == {me}
@@ -107,7 +117,7 @@ def test_a_continued_task_posts_its_sends_before_its_rest_and_after_hooks_follow
             return Continue(lambda: seq.append("rest:f1"))
         return (lambda seconds: None) if key.startswith("r") else None
 
-    runner = StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
+    runner = _runner(_p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
                           after=lambda key: seq.append("after:" + key))
     runner.run_step()
     assert seq.index("r:s1") < seq.index("rest:f1") < seq.index("after:f1") < seq.index("r:f2")
@@ -125,7 +135,7 @@ def test_receives_that_fit_the_byte_budget_are_posted_at_once():
             seq.append(key)
             return (lambda seconds, key=key: seq.append("c" + key[1:])) if key.startswith("r") else None
 
-        StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
+        _runner(_p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"},
                      post_budget=budget, sizes=sizes).run_step()
         assert seq[:4] == expected, (budget, seq)
 
@@ -141,7 +151,7 @@ def test_a_first_chunk_that_needs_no_message_runs_before_receives_are_posted():
         seq.append(key)
         return (lambda seconds: None) if key.startswith("r") else None
 
-    StreamRunner(0, RankPlan(rank=0, streams=streams, deps=deps), execute, timeout_s=10, inline="compute",
+    _runner(RankPlan(rank=0, streams=streams, deps=deps), execute, timeout_s=10, inline="compute",
                  posted=["send", "recv"]).run_step()
     assert seq[:4] == ["f0", "s0", "r0", "r1"], seq
 
@@ -154,7 +164,7 @@ def test_a_thread_about_to_wait_posts_receives_first():
         seq.append(key)
         return (lambda seconds, key=key: seq.append("c" + key[1:])) if key.startswith("r") else None
 
-    StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted=["send", "recv"]).run_step()
+    _runner(_p2p_plan(), execute, timeout_s=10, inline="compute", posted=["send", "recv"]).run_step()
     assert seq[:3] == ["r0", "r1", "c0"], seq  # post_ahead 2, no sizes: two deep
 
 
@@ -167,7 +177,7 @@ def test_a_failed_completion_names_the_receive():
         return (lambda seconds: None) if key.startswith("r") else None
 
     with pytest.raises(TaskFailed, match="task r1 on stream 'recv' failed: ConnectionError"):
-        StreamRunner(0, _p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"}).run_step()
+        _runner(_p2p_plan(), execute, timeout_s=10, inline="compute", posted={"recv", "send"}).run_step()
 
 
 def test_a_completion_past_the_deadline_is_a_timeout():
@@ -181,7 +191,7 @@ def test_a_completion_past_the_deadline_is_a_timeout():
 
     start = time.monotonic()
     with pytest.raises(TaskFailed, match="task r0 on stream 'recv' waited more than 1s"):
-        StreamRunner(0, _p2p_plan(), execute, timeout_s=1, inline="compute", posted={"recv", "send"}).run_step()
+        _runner(_p2p_plan(), execute, timeout_s=1, inline="compute", posted={"recv", "send"}).run_step()
     assert time.monotonic() - start < 3
 
 
@@ -194,7 +204,7 @@ def test_status_says_what_each_stream_does_while_a_step_runs():
         if key == "g0":
             release.wait(10)
 
-    runner = StreamRunner(0, plan, execute, timeout_s=10, inline="compute")
+    runner = _runner(plan, execute, timeout_s=10, inline="compute")
     assert runner.status() == "between steps"
     failed: list[BaseException] = []
 

@@ -11,7 +11,7 @@ from piper_plugin.adapters.torchtitan import config_registry  # noqa: E402
 from piper_plugin.adapters.torchtitan.cpu import ASSETS, DATASET  # noqa: E402
 from piper_plugin.adapters.torchtitan.pipelining import _compile, _schedule_fn, recipe_for  # noqa: E402
 from piper_plugin.adapters.torchtitan.program import build_stage_program  # noqa: E402
-from piper_plugin.adapters.torchtitan.schedule import HostOptimizer  # noqa: E402
+from piper_plugin.runtime.executor import HostOptimizer  # noqa: E402
 from piper_plugin.adapters.torchtitan.trainer import PiperTrainer  # noqa: E402
 
 MODULE = "piper_plugin.adapters.torchtitan"
@@ -100,10 +100,11 @@ def test_stage_program_places_stages_as_torchtitan_does(recipe, stages, rank0):
     assert [program.regions[str(s)].inputs[0] for s in range(stages)] == ["tokens"] + [f"h{s}" for s in range(stages - 1)]
     assert program.regions[str(stages - 1)].outputs == ("loss",)
     _, apply = _schedule_fn(recipe, pp=2, microbatches=4, stages=stages)
-    plan = _compile(program, apply, 2)
-    placement = plan.dag.meta["placement"]
+    plan = _compile(program, apply, 2, True).plan
+    placement = plan.dag.meta.placement
     assert {int(r) for r, p in placement.items() if p == 0} == rank0
-    assert not plan.dag.buckets  # TorchTitan owns parameters and optimizer
+    # one replica: nothing to reduce in the plan (TorchTitan's FSDP reduces, its optimizer steps)
+    assert not any(n.kind.value in ("ALL_REDUCE", "REDUCE_SCATTER", "ALL_GATHER") for n in plan.dag.nodes.values())
     assert any(n.kind.value == "UPDATE" for n in plan.dag.nodes.values())
 
 
@@ -113,7 +114,7 @@ def test_recipe_that_does_not_fit_the_stages_is_named():
                                   dtype=torch.float32)
     _, apply = _schedule_fn("dualpipev", pp=2, microbatches=4, stages=2)
     with pytest.raises(Exception, match="stages"):
-        _compile(program, apply, 2)
+        _compile(program, apply, 2, True)
 
 
 def test_host_optimizer_leaves_gradients_for_torchtitan():
@@ -135,4 +136,4 @@ def test_recipe_file_is_loaded(tmp_path):
                                   dtype=torch.float32)
     label, apply = _schedule_fn(str(path), pp=2, microbatches=2, stages=2)
     assert label == "my_recipe.py"
-    assert _compile(program, apply, 2).microbatches == 2
+    assert _compile(program, apply, 2, True).plan.microbatches == 2

@@ -9,9 +9,6 @@ exactly as TorchTitan places them). Every rank compiles the same plan and checks
 from __future__ import annotations
 
 import functools
-import json
-import runpy
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -23,13 +20,7 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.tools.logging import logger
 
-from piper_plugin.api.errors import DirectiveError
-from piper_plugin.api.schedule import Schedule
-from piper_plugin.recipes import RECIPES, apply_recipe
-from piper_plugin.runtime.launch.spmd import check_plan_hash
-from piper_plugin.runtime.value_specs import ValueSpec
-from piper_plugin.scheduler.plan import build_plan
-from piper_plugin.scheduler.simulate import simulate
+from piper_plugin import DirectiveError, Schedule, ValueSpec, compile_program, recipes
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
@@ -59,38 +50,20 @@ def recipe_for(schedule: str) -> str:
 
 def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int) -> tuple[str, Callable[[Any], Schedule]]:
     """(label, program -> Schedule) for a recipe name, a Python recipe file or a JSON trace."""
-    if recipe in RECIPES:
-        def apply(program):
-            sch = Schedule(program, pp=pp)
-            return apply_recipe(sch, recipe, microbatches=microbatches, chunks=max(1, stages // pp))
-        return recipe, apply
-    path = Path(recipe)
-    if not path.is_file():
-        raise ValueError(f"--piper.recipe {recipe!r} is neither a recipe ({', '.join(sorted(RECIPES))}) "
-                         f"nor an existing file")
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        return path.name, lambda program: Schedule.from_json(program, data)
-    namespace = runpy.run_path(str(path))
-    fn = namespace.get("recipe")
-    if not callable(fn):
-        raise ValueError(f"recipe file {recipe!r} defines no function recipe(sch, microbatches, **kw)")
-
-    def apply_file(program):
-        sch = Schedule(program, pp=pp)
-        fn(sch, microbatches=microbatches, chunks=max(1, stages // pp), zero=0)
-        return sch
-    return path.name, apply_file
+    try:
+        loaded = recipes.load(recipe)
+    except recipes.RecipeError as exc:
+        raise ValueError(f"--piper.recipe: {exc}") from None
+    chunks = max(1, stages // pp)
+    return loaded.name, lambda program: loaded.schedule(program, pp=pp, microbatches=microbatches, chunks=chunks)
 
 
-def _compile(program, schedule_fn, world: int):
-    sch = schedule_fn(program)
-    if sch.grid.world_size != world:
-        raise ValueError(f"the Piper schedule needs {sch.grid.world_size} ranks but the pipeline has {world}: "
+def _compile(program, schedule_fn, world: int, split_last_backward: bool):
+    compiled = compile_program(program, schedule_fn, split_last_backward=split_last_backward)
+    if compiled.plan.grid.world_size != world:
+        raise ValueError(f"the Piper schedule needs {compiled.plan.grid.world_size} ranks but the pipeline has {world}: "
                          f"the Piper engine runs pipeline parallelism only (set every other degree to 1)")
-    # TorchTitan owns the parameters and the optimizer: no Piper buckets (params stay as they are).
-    sch.dag.buckets.clear()
-    return build_plan(sch.dag, sch.grid)  # its hash is the same in every process
+    return compiled  # its plan hash is the same in every process
 
 
 def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
@@ -122,13 +95,14 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 1. every stage on the meta device; the recipe's placement says which are ours
     parts = [_split_module(model, names) for names in fqns]
+    split_last_backward = ac_config is None  # AC may allow only one backward through a stage
     try:
-        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp)
-    except DirectiveError as exc:
+        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp, split_last_backward).plan
+    except (DirectiveError, recipes.RecipeError) as exc:
         raise ValueError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
                          f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
     pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
-    placement = plan.dag.meta["placement"]
+    placement = plan.dag.meta.placement
     local = sorted(int(r) for r, rank in placement.items() if rank == pp_rank)
 
     # 2. SPMD parallelisms (AC, compile, ...) on our parts, as TorchTitan's pipeline_llm does
@@ -142,9 +116,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 3. the plan over the parts as they will run (parameter names after wrapping)
     program = build_stage_program(parts, **sizes)
-    plan = _compile(program, schedule_fn, pp)
-    check_plan_hash(plan, replicas=dp)
-    result = simulate(plan)
+    compiled = _compile(program, schedule_fn, pp, split_last_backward)
+    plan, result = compiled.plan, compiled.simulation
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{replicas}, {microbatches} microbatches, "
                 f"plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
@@ -152,8 +125,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, replicas=_replicas(parallel_dims),
-                                     split_last_backward=ac_config is None)
+                                     recipe=label, replicas=_replicas(parallel_dims))
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
                                   training=training, device=device, loss_fn=loss_fn)

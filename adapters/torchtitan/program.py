@@ -12,7 +12,7 @@ tolerates the missing ones. Here each stage is one region of Piper's single-devi
 ``tokens``, ``labels``, ``kwargs`` (the per-microbatch model kwargs, e.g. positions) and
 ``loss_kwargs`` (``global_valid_tokens``) are model inputs, present on the ranks that need them;
 only the hidden states ``h*`` (and their gradients) cross ranks. The DAG is the one
-:func:`piper_plugin.ir.capture.capture` would build for the same regions, so every directive,
+:func:`piper_plugin.capture` would build for the same regions (``Program.from_regions``), so every directive,
 recipe, the scheduler and the runtime apply unchanged.
 """
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from piper_plugin.ir.capture import Program, _single_device_dag
-from piper_plugin.ir.graph import Region
+from piper_plugin import Program, Region
 
 __all__ = ["StageProgram", "StageChunk", "build_stage_program", "hidden_name", "INPUTS"]
 
@@ -97,7 +96,6 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
     batch = microbatch_size * microbatches
     hidden_bytes = batch * seq_len * hidden_dim * torch.finfo(dtype).bits // 8
     regions: dict[str, Region] = {}
-    producer: dict[str, str] = {}
     param_bytes: dict[str, int] = {}
     param_shapes: dict[str, tuple[int, ...]] = {}
     for s, part in enumerate(parts):
@@ -108,18 +106,13 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
         if s == num - 1:
             inputs += ("labels", "loss_kwargs")
         outputs = ("loss",) if s == num - 1 else (hidden_name(s),)
-        for v in outputs:
-            producer[v] = str(s)
         value_bytes = {v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs}
         numel = sum(p.numel() for p in part.parameters())
         regions[str(s)] = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=tuple(info), inputs=inputs, outputs=outputs,
             value_bytes=value_bytes, activation_bytes=hidden_bytes * max(1, len(list(part.children()))),
             param_bytes=sum(b for _, b in info.values()), flops=6 * batch * seq_len * numel)
-    loss_region = str(num - 1)
-    dag = _single_device_dag(regions, producer, INPUTS, loss_region, batch)
-    dag.meta["param_bytes"] = param_bytes
-    dag.meta["param_shapes"] = param_shapes
-    dag.meta["value_shapes"] = {hidden_name(s): (batch, seq_len, hidden_dim) for s in range(num - 1)}
-    return StageProgram(graphs={}, regions=regions, input_names=INPUTS, loss_value="loss",
-                        loss_region=loss_region, dag=dag, root_type=model_type, tied={})
+    return StageProgram.from_regions(
+        regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1), batch_size=batch,
+        param_bytes=param_bytes, param_shapes=param_shapes,
+        value_shapes={hidden_name(s): (batch, seq_len, hidden_dim) for s in range(num - 1)}, root_type=model_type)

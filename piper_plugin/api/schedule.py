@@ -43,7 +43,7 @@ class Schedule:
         self.program = program
         self.grid = RankGrid(pp, dp, ep)
         self.dag: DAG = program.dag.copy()
-        self.dag.meta["grid"] = self.grid.to_json()
+        self.dag.meta.grid = self.grid
         self.trace: list[dict[str, Any]] = []
         self._placement_closed = False
         self._index: dict[tuple[int, str, int | None], list[str]] | None = None
@@ -78,7 +78,7 @@ class Schedule:
     def _close_placement(self, directive: str) -> None:
         if self._placement_closed:
             return
-        placement = self.dag.meta.get("placement", {})
+        placement = self.dag.meta.placement
         missing = [r for r in self.dag.regions if r not in placement]
         if missing:
             raise DirectiveError(directive, "", f"regions {missing} are not placed",
@@ -87,7 +87,7 @@ class Schedule:
         self._placement_closed = True
 
     def _before_split(self, directive: str, target: str) -> None:
-        if "microbatches" in self.dag.meta:
+        if self.dag.meta.microbatches is not None:
             fix = "apply split once" if directive == "split" else f"apply {directive} before split"
             raise DirectiveError(directive, target, "the DAG is already split into microbatches", fix)
 
@@ -101,7 +101,7 @@ class Schedule:
         if not isinstance(rank, int) or not 0 <= rank < self.grid.pp:
             raise DirectiveError("place", repr(regions), f"rank {rank!r} is out of range for pp={self.grid.pp}",
                                  f"use a pipeline rank in 0..{self.grid.pp - 1}")
-        placement = self.dag.meta.setdefault("placement", {})
+        placement = self.dag.meta.placement
         for name in hits:
             if name in placement:
                 raise DirectiveError("place", repr(regions), f"region {name} is already placed on rank "
@@ -121,9 +121,9 @@ class Schedule:
             raise DirectiveError("shard", repr(regions), f"degree {degree} differs from the grid's ep={self.grid.ep}",
                                  "omit degree or make it equal to --ep")
         for name in hits:
-            if name in self.dag.meta.get("sharded", {}):
+            if name in self.dag.meta.sharded:
                 raise DirectiveError("shard", repr(regions), f"region {name} is already sharded")
-            if name in self.dag.meta.get("replicated", {}):
+            if name in self.dag.meta.replicated:
                 raise DirectiveError("shard", repr(regions), f"region {name} is already replicated",
                                      "apply shard before replicate")
             problem = shard_problem(self.dag, name, self.grid.ep)
@@ -144,15 +144,15 @@ class Schedule:
             raise DirectiveError("replicate", repr(regions), f"zero={zero!r} is not a ZeRO level", "use 0, 1, 2 or 3")
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise DirectiveError("replicate", repr(regions), f"bucket_bytes={bucket_bytes!r} must be a positive int")
-        done = self.dag.meta.get("replicated", {})
+        done = self.dag.meta.replicated
         for name in hits:
             if name in done:
                 raise DirectiveError("replicate", repr(regions), f"region {name} is already replicated",
                                      "make the filters of replicate calls disjoint")
-            if "EP" in self.dag.regions[name].tags and self.grid.ep > 1 and name not in self.dag.meta.get("sharded", {}):
+            if "EP" in self.dag.regions[name].tags and self.grid.ep > 1 and name not in self.dag.meta.sharded:
                 raise DirectiveError("replicate", repr(regions), f"expert region {name} is not sharded yet",
                                      "apply shard('EP=...') before replicate")
-            if zero and any(p in self.dag.meta.get("ties", {}).values() for p in self.dag.meta["update_params"][name]):
+            if zero and any(p in self.dag.meta.ties.values() for p in self.dag.meta.update_params[name]):
                 raise DirectiveError("replicate", repr(regions), f"region {name} holds a weight tied across "
                                      f"pipeline ranks, supported with zero=0 only", "use zero=0 for this region")
         for name in hits:
@@ -200,7 +200,7 @@ class Schedule:
         if unknown:
             raise DirectiveError(directive, repr(text), f"unknown tag {sorted(unknown)[0]!r}",
                                  f"use one of {sorted(known)}")
-        rank_of = self.dag.meta.get("placement", {})
+        rank_of = self.dag.meta.placement
         return [k for k, n in self.dag.nodes.items() if flt.matches_node(n, rank_of)]
 
     def _lookup(self, flt) -> list[str] | None:
@@ -243,9 +243,9 @@ class Schedule:
             return self._order_per_rank(chains, _directive)
 
     def _order_per_rank(self, chains: Mapping[int | None, Sequence[Group]], _directive: str) -> "Schedule":
-        if "microbatches" not in self.dag.meta:
+        if self.dag.meta.microbatches is None:
             raise DirectiveError(_directive, "", "the DAG is not split yet", "call split(microbatches=N) first")
-        placement = self.dag.meta["placement"]
+        placement = self.dag.meta.placement
         added: list[tuple[str, str]] = []
         try:
             for rank, groups in chains.items():

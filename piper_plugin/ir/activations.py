@@ -7,7 +7,7 @@ attention matrix), each input from another region made a fresh autograd leaf as 
 does. A region's activation bytes are the storages autograd saves (each once: views share a
 storage; parameters' storages excluded) plus its outputs (the runtime keeps them as backward
 roots). Its backward then runs on the same fake tensors under
-:class:`~piper_plugin.runtime.working_memory.WorkingMemory`, gradients already allocated (the
+:class:`~piper_plugin.autograd.working_memory.WorkingMemory`, gradients already allocated (the
 state of every microbatch after a step's first): once whole (B), and once split as the runtime
 splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
 the parameter-sized gradients that do not, so the simulator can read a microbatch's peak.
@@ -28,8 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
 
 from piper_plugin.ir.graph import BackwardBytes, Rise
-from piper_plugin.runtime.split_backward import backward_input
-from piper_plugin.runtime.working_memory import WorkingMemory
+from piper_plugin.autograd.split_backward import backward_input
+from piper_plugin.autograd.working_memory import WorkingMemory
 
 __all__ = ["RegionMemory", "region_memory", "saved_activation_bytes"]
 

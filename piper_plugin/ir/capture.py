@@ -106,6 +106,26 @@ class Program:
     root_type: str = ""
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
+    @classmethod
+    def from_regions(cls, regions: dict[str, Region], *, inputs: Sequence[str], loss_value: str, loss_region: str,
+                     batch_size: int, param_bytes: dict[str, int], param_shapes: dict[str, tuple[int, ...]],
+                     value_shapes: dict[str, tuple[int, ...]], root_type: str = "") -> "Program":
+        """Module regions: a program over regions the caller cut itself (a host's model parts),
+        with no tracing. Each value is produced by the one region listing it in ``outputs``; the
+        DAG is the one :func:`capture` builds for the same regions. Sizes are for the whole
+        batch. Such a program has no graphs: its class overrides :meth:`instantiate` to return
+        each region's chunk module (called with the region's inputs, returning its outputs)."""
+        producer = {v: name for name, r in regions.items() for v in r.outputs}
+        missing = [r.name for r in regions.values() if loss_value in r.outputs and r.name != loss_region]
+        if loss_region not in regions or loss_value not in regions[loss_region].outputs or missing:
+            raise CaptureError(f"region {loss_region!r} must be the one region producing the loss {loss_value!r}")
+        dag = _single_device_dag(regions, producer, inputs, loss_region, batch_size)
+        dag.meta.param_bytes = dict(param_bytes)
+        dag.meta.param_shapes = dict(param_shapes)
+        dag.meta.value_shapes = dict(value_shapes)
+        return cls(graphs={}, regions=regions, input_names=tuple(inputs), loss_value=loss_value,
+                   loss_region=loss_region, dag=dag, root_type=root_type, tied={})
+
     def instantiate(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> dict[str, fx.GraphModule]:
         """Executable chunk modules over ``model``'s own parameters (shared, not copied).
 
@@ -142,9 +162,9 @@ def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inp
     probe = probe_sizes(gm, model, (*example_inputs, example_target))
     program = _cut(gm, probe.nbytes, probe.views, type(model).__name__, int(example_inputs[0].shape[0]))
     params = dict(gm.named_parameters())
-    program.dag.meta["param_bytes"] = {n: p.numel() * p.element_size() for n, p in params.items()}
-    program.dag.meta["param_shapes"] = {n: tuple(p.shape) for n, p in params.items()}
-    program.dag.meta["value_shapes"] = probe.shapes
+    program.dag.meta.param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    program.dag.meta.param_shapes = {n: tuple(p.shape) for n, p in params.items()}
+    program.dag.meta.value_shapes = probe.shapes
     try:
         memory = region_memory(program, model, loss_fn, (*example_inputs, example_target))
     except Exception:  # noqa: BLE001 - an op fake tensors cannot run: keep the probe's estimate
@@ -293,6 +313,6 @@ def _single_device_dag(regions: dict[str, Region], producer: dict[str, str], inp
         for src, values in by_src.items():
             dag.add_data(f"{src}F", f, values)
             dag.add_data(b, f"{src}B", tuple(f"grad:{v}" for v in values))
-    dag.meta["loss_region"] = loss_region
-    dag.meta["inputs"] = list(input_names)
+    dag.meta.loss_region = loss_region
+    dag.meta.inputs = tuple(input_names)
     return dag

@@ -5,7 +5,9 @@ Invariants kept by every method here:
 * a data edge carries the names of the values that flow along it (activations forward,
   their gradients backward); a temporal edge carries none and only orders;
 * ``regions`` (the captured model's chunks) and ``buckets`` are metadata shared by all
-  rewrites of one DAG and never change after capture / replicate.
+  rewrites of one DAG and never change after capture / replicate;
+* ``meta`` (:class:`DagMeta`) holds what capture and the passes recorded; ``copy`` gives the
+  copy its own maps, so a pass writing the copy's never changes the original's.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
+from piper_plugin.ir.meta import DagMeta
 from piper_plugin.ir.nodes import Node
 
 __all__ = ["DAG", "Region", "BackwardBytes", "Rise", "Bucket", "CycleError", "gc_paused"]
@@ -123,7 +126,7 @@ class DAG:
     regions: dict[str, Region] = field(default_factory=dict)
     buckets: dict[str, list[Bucket]] = field(default_factory=dict)
     batch_size: int = 1
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: DagMeta = field(default_factory=DagMeta)
 
     # -- construction -------------------------------------------------------------------
     def add(self, node: Node, key: str | None = None) -> Node:
@@ -273,7 +276,7 @@ class DAG:
             temporal_succ={k: set(v) for k, v in self.temporal_succ.items()},
             temporal_pred={k: set(v) for k, v in self.temporal_pred.items()},
             regions=self.regions, buckets=dict(self.buckets), batch_size=self.batch_size,
-            meta=dict(self.meta),
+            meta=self.meta.copy(),
         )
 
     # -- serialisation ----------------------------------------------------------------------

@@ -59,7 +59,7 @@ def validate(dag: DAG, grid: RankGrid, *, acyclic: bool = False) -> None:
                 grad_nodes[node.region].append(key)
             else:
                 grad_nodes[node.region] = [key]
-    if "microbatches" in dag.meta:
+    if dag.meta.microbatches is not None:
         _check_gradients(dag, grid, grad_nodes)
 
 
@@ -82,8 +82,8 @@ def _check_inputs(key: str, needed: tuple[str, ...], preds: dict[str, tuple[str,
 
 
 def _check_gradients(dag: DAG, grid: RankGrid, grad_nodes: dict[str, list[str]]) -> None:
-    sharded = dag.meta.get("sharded", {})
-    for region, params in dag.meta.get("update_params", {}).items():
+    sharded = dag.meta.sharded
+    for region, params in dag.meta.update_params.items():
         if not params:
             continue
         devices = dag.nodes[grad_nodes[region][0]].devices

@@ -19,7 +19,7 @@ def p2p_stream(src_rank: int, dst_rank: int) -> str:
 
 
 def place(dag: DAG, grid: RankGrid, regions: list[str], rank: int) -> None:
-    placement = dag.meta.setdefault("placement", {})
+    placement = dag.meta.placement
     devices = grid.slice(rank)
     for name in regions:
         placement[name] = rank
@@ -40,8 +40,8 @@ def _update_params(dag: DAG, placement: dict[str, int]) -> dict[str, tuple[str, 
 
 
 def close_placement(dag: DAG, grid: RankGrid, tied: dict[str, tuple[str, ...]]) -> None:
-    placement = dag.meta["placement"]
-    dag.meta["update_params"] = update = _update_params(dag, placement)
+    placement = dag.meta.placement
+    dag.meta.update_params = update = _update_params(dag, placement)
     for name, params in update.items():
         if not params and f"{name}UPDATE" in dag:
             dag.remove(f"{name}UPDATE")
@@ -92,8 +92,8 @@ def _insert_ties(dag: DAG, grid: RankGrid, tied: dict[str, tuple[str, ...]], pla
             dag.add_data(f"{reader}B", node.key, ("tie:" + param,))
             if f"{reader}UPDATE" in dag:
                 dag.add_data(node.key, f"{reader}UPDATE", ("tie:" + param,))
-    dag.meta["ties"] = ties
+    dag.meta.ties = ties
 
 
 def _param_bytes(dag: DAG, param: str) -> int:
-    return dag.meta.get("param_bytes", {}).get(param, 0)
+    return dag.meta.param_bytes.get(param, 0)

@@ -39,14 +39,14 @@ def make_buckets(params: tuple[str, ...], param_bytes: dict[str, int], bucket_by
 
 def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: int | None) -> None:
     r = dag.regions[region]
-    sharded = region in dag.meta.get("sharded", {})
+    sharded = region in dag.meta.sharded
     axis = "dp" if sharded else "data"
     devices = dag.nodes[f"{region}F"].devices
     group_size = len(grid.groups(axis, devices)[0])
-    params = dag.meta["update_params"][region]
-    sizes = dag.meta["param_bytes"]
+    params = dag.meta.update_params[region]
+    sizes = dag.meta.param_bytes
     divisor = grid.ep if sharded else 1
-    dag.meta.setdefault("replicated", {})[region] = zero
+    dag.meta.replicated[region] = zero
     buckets = []
     for i, names in enumerate(make_buckets(params, sizes, bucket_bytes)):
         numel = sum(sizes[p] for p in names) // 4 // divisor
@@ -71,7 +71,7 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
             red = comm(Kind.REDUCE_SCATTER, b, f"b{b.index}", "B" if zero >= 2 else "step", full)
         dag.add_data(backward, red, ("grads",))
         dag.add_data(red, update, ("grads",))
-        for tie_key, param in dag.meta.get("ties", {}).items():
+        for tie_key, param in dag.meta.ties.items():
             if param in b.params:
                 dag.add_data(tie_key, red, ("tie:" + param,))
         if zero in (1, 2):

@@ -20,7 +20,7 @@ def shard_problem(dag: DAG, region: str, degree: int) -> str | None:
     r = dag.regions[region]
     if not r.params:
         return f"region {region} has no parameters to shard"
-    shapes = dag.meta["param_shapes"]
+    shapes = dag.meta.param_shapes
     leading = {shapes[p][0] if shapes[p] else None for p in r.params}
     if len(leading) != 1 or None in leading:
         return (f"region {region}'s parameters do not share a leading expert dimension "
@@ -31,7 +31,7 @@ def shard_problem(dag: DAG, region: str, degree: int) -> str | None:
     if len(r.inputs) != 1 or len(r.outputs) != 1:
         return (f"region {region} must take one tensor and return one tensor of layout "
                 f"[experts, capacity, dim]; it has inputs {r.inputs} and outputs {r.outputs}")
-    values = dag.meta["value_shapes"]
+    values = dag.meta.value_shapes
     for v in r.inputs + r.outputs:
         if values.get(v, (None,))[0] != experts:
             return f"value {v} of region {region} has shape {values.get(v)}, expected leading dim {experts}"
@@ -40,7 +40,7 @@ def shard_problem(dag: DAG, region: str, degree: int) -> str | None:
 
 def shard(dag: DAG, grid: RankGrid, region: str) -> None:
     r = dag.regions[region]
-    dag.meta.setdefault("sharded", {})[region] = grid.ep
+    dag.meta.sharded[region] = grid.ep
     f, b = f"{region}F", f"{region}B"
     devices = dag.nodes[f].devices
     nbytes = r.value_bytes[r.inputs[0]]

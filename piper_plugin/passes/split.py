@@ -20,9 +20,9 @@ __all__ = ["split"]
 
 
 def split(dag: DAG, microbatches: int, data_shards: int, split_backward: bool) -> DAG:
-    out = DAG(regions=dag.regions, buckets=dag.buckets, batch_size=dag.batch_size, meta=dict(dag.meta))
-    out.meta["microbatches"] = microbatches
-    out.meta["split_backward"] = split_backward
+    out = DAG(regions=dag.regions, buckets=dag.buckets, batch_size=dag.batch_size, meta=dag.meta.copy())
+    out.meta.microbatches = microbatches
+    out.meta.split_backward = split_backward
     copies: dict[str, list[str]] = {}
     per_mb: dict[str, bool] = {}
     shrink = microbatches * data_shards

@@ -21,7 +21,7 @@ def is_dispatch(node: Node) -> bool:
 
 
 def tied_param(state: RankState, node: Node):
-    name = state.dag.meta["ties"][node.key]
+    name = state.dag.meta.ties[node.key]
     for chunk in state.chunks.values():
         for n, p in chunk.named_parameters():
             if n == name:

@@ -12,7 +12,7 @@ import torch
 
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.split_backward import backward_input
+from piper_plugin.autograd.split_backward import backward_input
 from piper_plugin.runtime.streams import Continue
 
 __all__ = ["run_compute"]

@@ -38,7 +38,7 @@ def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
     specs: set[tuple[str, tuple[int, ...]]] = set()
     for node in dag.nodes.values():
         if node.kind == Kind.SEND:
-            dst_pp = dag.meta["placement"][dag.nodes[node.peer].region]
+            dst_pp = dag.meta.placement[dag.nodes[node.peer].region]
             for r in node.devices:
                 specs.add((node.stream, tuple(sorted((r, grid.peer(r, dst_pp))))))
         elif node.kind in COLLECTIVES:
@@ -103,7 +103,7 @@ class DistComm:
     def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
         """The other side of a SEND / RECV: its process rank and the pair's communicator."""
         dag = self.plan.dag
-        peer = self.plan.grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
+        peer = self.plan.grid.peer(self.rank, dag.meta.placement[dag.nodes[node.peer].region])
         return self.process_rank[peer], self.groups[(node.stream, tuple(sorted((self.rank, peer))))]
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:

@@ -15,11 +15,10 @@ import torch
 import torch.nn as nn
 
 from piper_plugin.api.schedule import Schedule
-from piper_plugin.ir.capture import Program, capture
-from piper_plugin.scheduler.plan import Plan, build_plan
-from piper_plugin.scheduler.simulate import SimResult, simulate
+from piper_plugin.compiler import Compiled, compile_job
+from piper_plugin.ir.capture import Program
 
-__all__ = ["Job", "compile_job"]
+__all__ = ["Job"]
 
 
 @dataclass
@@ -40,13 +39,6 @@ class Job:
         torch.manual_seed(self.seed)
         return self.model_fn()
 
-
-def compile_job(job: Job) -> tuple[Program, Schedule, Plan, SimResult]:
-    """Capture on the meta device, apply the directives, schedule, and prove the plan finishes."""
-    with torch.device("meta"):
-        model = job.model_fn()
-    *inputs, target = next(iter(job.data_fn(job.seed)))
-    program = capture(model, job.loss_fn, tuple(inputs), target)
-    sch = job.schedule_fn(program)
-    plan = build_plan(sch.dag, sch.grid)
-    return program, sch, plan, simulate(plan)
+    def compile(self) -> Compiled:
+        """This job's strategy compiled on its first batch's shapes."""
+        return compile_job(self)

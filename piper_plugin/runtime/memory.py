@@ -28,7 +28,7 @@ import threading
 
 import torch
 
-from piper_plugin.runtime.working_memory import WorkingMemory
+from piper_plugin.autograd.working_memory import WorkingMemory
 
 __all__ = ["MemoryMeter"]
 

@@ -21,8 +21,7 @@ from piper_plugin.ir.nodes import Kind
 from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.pieces import Piece
-from piper_plugin.runtime.split_backward import PendingWeightGrads
-from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
+from piper_plugin.autograd.split_backward import PendingWeightGrads
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["RankState"]
@@ -39,7 +38,7 @@ class RankState:
         grid = plan.grid
         self.pp, self.dp, self.ep = grid.coords(rank)
         self.shard_index = grid.data_shard(rank)
-        placement = self.dag.meta["placement"]
+        placement = self.dag.meta.placement
         self.regions = [r for r, pp in placement.items() if pp == self.pp]
         chunks = program.instantiate(model, loss_fn)
         self.chunks: dict[str, fx.GraphModule] = {r: chunks[r] for r in self.regions}
@@ -69,8 +68,8 @@ class RankState:
         self.losses: list[torch.Tensor] = []
         self.grad_pieces: dict[str, list[Piece]] = {}
         self.snapshot_grads = False
-        self.fused_backward = fused_backwards(plan, rank)
-        self.input_grads_first = input_grads_first(plan, rank)
+        self.fused_backward = plan.ranks[rank].fused
+        self.input_grads_first = plan.ranks[rank].split_first
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
         self.meter.track_working = not self.cuda
@@ -78,7 +77,7 @@ class RankState:
     # -- set-up ----------------------------------------------------------------------------
     def _shard_experts(self, named: dict[str, nn.Parameter]) -> None:
         """Keep this rank's slice of each EP-sharded region's experts."""
-        for region, ep in self.dag.meta.get("sharded", {}).items():
+        for region, ep in self.dag.meta.sharded.items():
             if region not in self.regions:
                 continue
             for name in self.dag.regions[region].params:
@@ -89,9 +88,9 @@ class RankState:
     def _build_buckets(self, named: dict[str, nn.Parameter], optimizer_fn: OptimizerFn) -> None:
         grid = self.plan.grid
         self._unbucketed: dict[str, dict[str, nn.Parameter]] = {}
-        sharded = self.dag.meta.get("sharded", {})
+        sharded = self.dag.meta.sharded
         for region in self.regions:
-            own = self.dag.meta["update_params"][region]
+            own = self.dag.meta.update_params[region]
             if not own:
                 continue
             specs = self.dag.buckets.get(region) or []
@@ -99,9 +98,10 @@ class RankState:
             devices = self.dag.nodes[f"{region}F0"].devices
             group = next(g for g in grid.groups(groups_axis, devices) if self.rank in g)
             tensors: list[nn.Parameter] = []
-            if not specs:  # a single replica: no reduction, optimizer over the params
+            if not specs or len(group) == 1:  # a single replica: nothing to reduce or shard, params stay as they are
                 tensors = [named[p] for p in own]
                 self._unbucketed[region] = {p: named[p] for p in own}
+                specs = []
             for spec in specs:
                 zero = spec.zero if len(group) > 1 else 0
                 bucket = FlatBucket([named[p] for p in spec.params], zero, len(group), group.index(self.rank))
@@ -215,8 +215,36 @@ class RankState:
     def param_pieces(self) -> list[Piece]:
         return [p for region in self.regions for p in self._pieces(region, grads=False)]
 
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """What this rank must keep to resume: each bucket's flat parameters (its ZeRO-3 shard,
+        which is all it holds between steps), each unbucketed parameter, as host copies."""
+        out: dict[str, torch.Tensor] = {}
+        for (region, index), bucket in self.buckets.items():
+            flat = bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None else bucket.flat[:bucket.numel]
+            out[f"bucket:{region}:{index}"] = flat.detach().to("cpu", copy=True)
+        for name, p in self.unbucketed().items():
+            out[name] = p.detach().to("cpu", copy=True)
+        return out
+
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        """Write back what :meth:`checkpoint` returned on this rank of the same plan."""
+        with torch.no_grad():
+            targets = {f"bucket:{region}:{index}": (bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None
+                                                    else bucket.flat[:bucket.numel])
+                       for (region, index), bucket in self.buckets.items()}
+            targets.update({name: p.detach() for name, p in self.unbucketed().items()})
+            missing = sorted(set(targets) - set(saved))
+            for name in missing[:1]:
+                raise ValueError(f"rank {self.rank}: the checkpoint lacks {name!r} ({len(missing)} entries missing); "
+                                 f"restore it with the plan and rank that saved it")
+            for name, target in targets.items():
+                if saved[name].shape != target.shape:
+                    raise ValueError(f"rank {self.rank}: checkpoint entry {name!r} has shape {tuple(saved[name].shape)}, "
+                                     f"this plan holds {tuple(target.shape)}")
+                target.copy_(saved[name].to(target.device))
+
     def _pieces(self, region: str, grads: bool) -> list[Piece]:
-        ep = self.dag.meta.get("sharded", {}).get(region, 1)
+        ep = self.dag.meta.sharded.get(region, 1)
         out = []
         for (r, _), bucket in self.buckets.items():
             if r != region:

@@ -41,14 +41,15 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from typing import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from piper_plugin.scheduler.plan import Plan, RankPlan
-from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET, posted_streams
+from piper_plugin.scheduler.plan import RankPlan
+from piper_plugin.scheduler.posting import POST_AHEAD, POST_BUDGET
 
-__all__ = ["StreamRunner", "TaskFailed", "Continue", "compute_stream", "posted_streams"]
+__all__ = ["StreamRunner", "RunnerConfig", "TaskFailed", "Continue"]
 
 Completion = Callable[[float], None]  # called with the seconds left before the step's deadline
 
@@ -65,12 +66,6 @@ class Continue:
         self.rest = rest
 
 
-def compute_stream(plan: Plan, rank: int) -> str | None:
-    """The stream of ``rank`` with the most compute tasks (the one the caller's thread runs)."""
-    streams = plan.ranks[rank].streams
-    return max(streams, key=lambda s: sum(plan.dag.nodes[k].is_compute for k in streams[s]), default=None)
-
-
 class TaskFailed(RuntimeError):
     """A task raised or a wait timed out; ``details`` holds the original traceback."""
 
@@ -79,13 +74,27 @@ class TaskFailed(RuntimeError):
         self.details = details
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    """The stream runner's knobs: every wait's bound and the receive-posting policy
+    (:mod:`piper_plugin.scheduler.posting`)."""
+
+    timeout_s: float = 60.0
+    post_ahead: int = POST_AHEAD
+    post_budget: int = POST_BUDGET
+
+
 class StreamRunner:
-    def __init__(self, rank: int, plan: RankPlan, execute: Callable[[str], Completion | None], timeout_s: float,
-                 describe: Callable[[str], str] = lambda key: "", device: torch.device = torch.device("cpu"),
-                 inline: str | None = None, posted: Collection[str] = (), post_ahead: int = POST_AHEAD,
-                 post_budget: int = POST_BUDGET, sizes: Mapping[str, int] | None = None,
-                 after: Callable[[str], None] | None = None):
-        self.rank, self.plan, self.execute, self.timeout_s = rank, plan, execute, timeout_s
+    """Runs one rank's plan, step after step: ``plan`` says which stream the caller's thread
+    runs (``inline``), which are posted and how large each posted task is (``post_bytes``;
+    empty: the posting policy counts receives only)."""
+
+    def __init__(self, plan: RankPlan, execute: Callable[[str], Completion | None],
+                 config: RunnerConfig = RunnerConfig(), *, describe: Callable[[str], str] = lambda key: "",
+                 device: torch.device = torch.device("cpu"), after: Callable[[str], None] | None = None):
+        self.rank, self.plan, self.execute, self.timeout_s = plan.rank, plan, execute, config.timeout_s
+        inline, posted, sizes = plan.inline, plan.posted, plan.post_bytes or None
+        post_ahead, post_budget = config.post_ahead, config.post_budget
         self.after = after  # runs after a threaded task, once the messages it enabled are posted
         self.describe, self.device = describe, device
         self.stream_of = {k: s for s, keys in plan.streams.items() for k in keys}

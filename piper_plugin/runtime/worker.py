@@ -1,9 +1,10 @@
-"""The per-rank executor: loads its shard, then runs its plan step after step.
+"""A rank of one of Piper's own launchers: a :class:`Job`'s model and data around an Executor.
 
-Every launch mode (forked processes, Ray actors, torchrun / a host framework) runs this same
-class. Plans arrive compiled; the worker checks nothing about recipes. Per step it feeds its
-data shard, runs its streams, waits for outstanding sends, steps its LR schedulers and reports
-the metrics: loss (the global mean, on last-stage ranks), step time, tokens/s and peak memory.
+Every launch mode (forked processes, Ray actors, torchrun) runs this same class. Plans arrive
+compiled; the worker checks nothing about recipes. Per step it feeds the global batch to its
+:class:`Executor` (which takes its data shard and runs the rank's plan), steps its LR
+schedulers and reports the metrics: loss (the global mean, on last-stage ranks), step time,
+tokens/s and peak memory.
 """
 from __future__ import annotations
 
@@ -17,21 +18,19 @@ import torch
 import torch.distributed as dist
 
 from piper_plugin.ir.capture import Program
-from piper_plugin.ir.nodes import COMPUTE
-from piper_plugin.runtime.compute import run_compute
-from piper_plugin.runtime.dist_comm import DistComm
+from piper_plugin.runtime.executor import Executor, ExecutorConfig
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.memory import tensor_bytes
-from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.runtime.streams import StreamRunner, compute_stream, posted_streams
 from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
-from piper_plugin.scheduler.posting import post_sizes
 
 __all__ = ["Worker", "device_for", "init_distributed"]
 
 
 class Worker:
+    """Rank ``rank`` of a :class:`Job`: builds the model as single-device training would, runs
+    an :class:`Executor` over the job's data and reports each step's metrics."""
+
     def __init__(self, rank: int, job: Job, program: Program, plan: Plan, init_method: str | None = None):
         self.rank, self.job, self.plan = rank, job, plan
         torch.set_num_threads(1)
@@ -39,9 +38,6 @@ class Worker:
         init_distributed(self.device, job.timeout_s, init_method=init_method, rank=rank,
                          world_size=plan.grid.world_size)
         model = job.build_model().to(self.device)  # initialised on the CPU like single-device runs
-        self.state = RankState(rank, plan, program, model, job.loss_fn, job.optimizer_fn)
-        self.state.snapshot_grads = job.capture_grads
-        self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
         self.data = iter(job.data_fn(job.seed))
         first = next(iter(job.data_fn(job.seed)))
         self.tokens_per_step = first[0].numel()
@@ -49,11 +45,11 @@ class Worker:
                  for name, t in zip(program.input_names, first)}
         with torch.device("meta"):
             meta_model = job.model_fn()
-        self.comm = DistComm(plan, rank, probe_values(program, meta_model, job.loss_fn, micro), job.timeout_s,
-                             self.device)
-        self.runner = StreamRunner(rank, plan.ranks[rank], self._execute, job.timeout_s, self._describe, self.device,
-                                   inline=compute_stream(plan, rank), posted=posted_streams(plan, rank),
-                                   sizes=post_sizes(plan, rank))
+        specs = probe_values(program, meta_model, job.loss_fn, micro)
+        self.executor = Executor(plan, program, rank, model, job.loss_fn, specs=specs, optimizer_fn=job.optimizer_fn,
+                                 config=ExecutorConfig(timeout_s=job.timeout_s, capture_grads=job.capture_grads))
+        self.state, self.comm, self.runner = self.executor.state, self.executor.comm, self.executor.runner
+        self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
         self.loss_group = self._loss_group(program)
         self.step_index = 0
         self.step_base_bytes = 0  # allocated when the current step began (GPU)
@@ -62,38 +58,17 @@ class Worker:
 
     def _loss_group(self, program: Program):
         """All ranks holding the loss region, so every last-stage rank reports the global loss."""
-        ranks = self.plan.grid.slice(self.plan.dag.meta["placement"][program.loss_region])
+        ranks = self.plan.grid.slice(self.plan.dag.meta.placement[program.loss_region])
         group = dist.new_group(list(ranks))  # collective: every rank creates it
         return group if self.rank in ranks else None
 
-    def _describe(self, key: str) -> str:
-        """Who a blocked task waits for, for timeout messages."""
-        node, dag, grid = self.plan.dag.nodes[key], self.plan.dag, self.plan.grid
-        if node.peer is not None:
-            other = grid.peer(self.rank, dag.meta["placement"][dag.nodes[node.peer].region])
-            return f" (a message from rank {other})" if node.kind.value == "RECV" else f" (rank {other})"
-        if node.axis is not None:
-            group = next(g for g in grid.groups(node.axis, node.devices) if self.rank in g)
-            return f" (a collective with ranks {list(group)})"
-        return ""
-
-    def _execute(self, key: str):
-        node = self.plan.dag.nodes[key]
-        if node.kind in COMPUTE:
-            self.comm.retire_sends()  # messages that arrived free their buffers before this task's own
-            return run_compute(self.state, node)
-        return self.comm.run(self.state, node)  # a RECV returns its completion
-
     def step(self) -> dict[str, Any]:
         batch = next(self.data)
-        self.state.set_batch(dict(zip(self.state.input_names, batch)))
-        self.state.meter.begin_step(self.state.batch_shapes)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.step_base_bytes = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
-        self.runner.run_step()
-        self.comm.wait_sends()
+        self.executor.step(batch=dict(zip(self.state.input_names, batch)))
         for scheduler in self.schedulers:
             scheduler.step()
         elapsed = time.perf_counter() - start

@@ -1,19 +1,25 @@
-"""How a rank runs its backward tasks: which run as one pass though the plan splits them, and
-which run split though the plan has one task. A property of the plan, shared by the runtime
-(which runs them so) and the simulator (which charges their memory so)."""
+"""How a rank runs its backward tasks: which run as one pass though the DAG splits them, and
+which run split though the DAG has one task. Decided once, when the plan is made
+(:mod:`.lowering` writes them into each :class:`RankPlan`); the runtime runs them so and the
+simulator charges their memory so."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from piper_plugin.ir.graph import DAG
 from piper_plugin.ir.nodes import Kind
-from piper_plugin.scheduler.plan import Plan
+
+if TYPE_CHECKING:
+    from piper_plugin.scheduler.plan import RankPlan
 
 __all__ = ["fused_backwards", "input_grads_first"]
 
 
-def fused_backwards(plan: Plan, rank: int) -> set[str]:
+def fused_backwards(dag: DAG, rank_plan: "RankPlan") -> set[str]:
     """BI tasks whose own BW follows right after them on the same stream: splitting those buys
     no schedule freedom, so they run as one full backward (same gradients, one pass)."""
-    nodes, fused = plan.dag.nodes, set()
-    for keys in plan.ranks[rank].streams.values():
+    nodes, fused = dag.nodes, set()
+    for keys in rank_plan.streams.values():
         for a, b in zip(keys, keys[1:]):
             x, y = nodes[a], nodes[b]
             if x.kind == Kind.BI and y.kind == Kind.BW and (x.region, x.microbatch) == (y.region, y.microbatch):
@@ -21,7 +27,7 @@ def fused_backwards(plan: Plan, rank: int) -> set[str]:
     return fused
 
 
-def input_grads_first(plan: Plan, rank: int) -> set[str]:
+def input_grads_first(dag: DAG, rank_plan: "RankPlan") -> set[str]:
     """B tasks that send their input gradients before computing their weight gradients.
 
     A B qualifies when it is the last backward of its stream (only UPDATEs may follow), its
@@ -30,7 +36,7 @@ def input_grads_first(plan: Plan, rank: int) -> set[str]:
     so splitting this one B (BI, post the sends, BW) starts the upstream cool-down a weight
     pass earlier. Every other B stays one pass (a split costs 20-30% more backward on a CPU).
     """
-    nodes, rank_plan = plan.dag.nodes, plan.ranks[rank]
+    nodes = dag.nodes
     stream_of = {k: s for s, keys in rank_plan.streams.items() for k in keys}
     dependents: dict[str, list[str]] = {}
     for key, deps in rank_plan.deps.items():
@@ -44,7 +50,7 @@ def input_grads_first(plan: Plan, rank: int) -> set[str]:
         last = backwards[-1]
         if any(nodes[k].kind == Kind.F for k in keys[keys.index(last):]):
             continue
-        if not plan.dag.regions[nodes[last].region].params:
+        if not dag.regions[nodes[last].region].params:
             continue
         across = [k for k in dependents.get(last, ()) if stream_of[k] != stream_of[last]]
         if across and all(nodes[k].kind == Kind.SEND for k in across):

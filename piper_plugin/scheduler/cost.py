@@ -47,7 +47,7 @@ class CostModel:
                 return seconds
         if self.flops_per_second is not None:
             region = dag.regions[node.region]
-            shards = int(dag.meta.get("microbatches", 1)) * _data_shards(dag)
+            shards = (dag.meta.microbatches or 1) * _data_shards(dag)
             forward = region.flops / shards / self.flops_per_second
             factor = {Kind.F: 1.0, Kind.B: 2.0, Kind.BI: 1.0, Kind.BW: 1.0, Kind.UPDATE: 0.0}[node.kind]
             return forward * factor + (self.UPDATE if node.kind == Kind.UPDATE else 0.0)
@@ -64,5 +64,5 @@ class CostModel:
 
 
 def _data_shards(dag: DAG) -> int:
-    grid = dag.meta.get("grid", {})
-    return int(grid.get("dp", 1)) * int(grid.get("ep", 1))
+    grid = dag.meta.grid
+    return 1 if grid is None else grid.data_shards

@@ -22,6 +22,7 @@ from typing import Any
 from piper_plugin.ir.graph import DAG, gc_paused
 from piper_plugin.ir.nodes import COMPUTE, Kind, Node
 from piper_plugin.ir.rank_grid import RankGrid
+from piper_plugin.scheduler.lowering import lower_rank_plan
 
 __all__ = ["Plan", "RankPlan", "build_plan", "PlanError"]
 
@@ -32,12 +33,25 @@ class PlanError(ValueError):
 
 @dataclass
 class RankPlan:
+    """One rank's complete plan: a total order per logical stream, each task's local
+    dependencies, and how the tasks run (written by :func:`lower_rank_plan`)."""
+
     rank: int
     streams: dict[str, list[str]] = field(default_factory=dict)
     deps: dict[str, tuple[str, ...]] = field(default_factory=dict)  # local preds, any stream
+    fused: frozenset[str] = frozenset()  # BI tasks run as one full backward (their BW: nothing)
+    split_first: frozenset[str] = frozenset()  # B tasks run as BI, post their sends, then BW
+    inline: str | None = None  # the stream the caller's thread runs
+    posted: tuple[str, ...] = ()  # P2P-only streams, issued in order without a thread; sends first
+    post_bytes: dict[str, int] = field(default_factory=dict)  # bytes of each posted task
 
     def tasks(self) -> list[str]:
         return [k for keys in self.streams.values() for k in keys]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "streams": self.streams, "deps": {k: list(v) for k, v in self.deps.items() if v},
+                "fused": sorted(self.fused), "split_first": sorted(self.split_first), "inline": self.inline,
+                "posted": list(self.posted)}
 
 
 @dataclass
@@ -49,7 +63,7 @@ class Plan:
 
     @property
     def microbatches(self) -> int:
-        return int(self.dag.meta.get("microbatches", 1))
+        return self.dag.meta.microbatches or 1
 
     def node(self, key: str) -> Node:
         return self.dag.nodes[key]
@@ -58,8 +72,7 @@ class Plan:
         return {
             "grid": self.grid.to_json(),
             "microbatches": self.microbatches,
-            "ranks": [{"rank": rp.rank, "streams": rp.streams,
-                       "deps": {k: list(v) for k, v in rp.deps.items() if v}} for rp in self.ranks],
+            "ranks": [rp.to_json() for rp in self.ranks],
             "nodes": {k: self.dag.nodes[k].to_json() for k in self.order},
         }
 
@@ -106,7 +119,7 @@ def _align_p2p(dag: DAG, order: list[str]) -> list[tuple[str, str]]:
     """One communicator per (stream, direction): its SENDs and RECVs are chained in one order."""
     by_direction: dict[tuple[str, int, int], list[str]] = {}
     nodes = dag.nodes
-    placement = dag.meta["placement"]
+    placement = dag.meta.placement
     for key in order:
         node = nodes[key]
         if node.kind == Kind.SEND:
@@ -174,14 +187,18 @@ def _still_asap(dag: DAG, order: list[str], start: dict[str, float], added: list
     return True
 
 
-def build_plan(dag: DAG, grid: RankGrid) -> Plan:
-    """Compile a split DAG into per-rank plans (the DAG gains scheduler temporal edges)."""
+def build_plan(dag: DAG, grid: RankGrid, *, split_last_backward: bool = True) -> Plan:
+    """Compile a split DAG into complete per-rank plans (the DAG gains scheduler temporal
+    edges). ``split_last_backward=False``: every B runs as one pass (see :mod:`.lowering`)."""
     with gc_paused():
-        return _build_plan(dag, grid)
+        plan = _build_plan(dag, grid)
+    for rank_plan in plan.ranks:
+        lower_rank_plan(plan.dag, rank_plan, split_last_backward=split_last_backward)
+    return plan
 
 
 def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
-    if "microbatches" not in dag.meta:
+    if dag.meta.microbatches is None:
         raise PlanError("the schedule is not split: call split(microbatches=N) before compiling")
     dag = dag.copy()
     order, start = _asap_order(dag)

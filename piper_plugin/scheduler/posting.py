@@ -22,19 +22,18 @@ POST_AHEAD = 2
 POST_BUDGET = 4 << 20  # bytes of receive buffers a posted stream may hold ahead, per rank
 
 
-def posted_streams(plan, rank: int) -> list[str]:
-    """Streams of ``rank`` holding only P2P sends and receives: they are posted, not threaded.
+def posted_streams(dag, rank_plan) -> list[str]:
+    """Streams of a rank holding only P2P sends and receives: they are posted, not threaded.
     Streams holding sends come first: after a task, its messages go out before more receives
     are posted."""
-    posted = [s for s, keys in plan.ranks[rank].streams.items()
-              if keys and all(plan.dag.nodes[k].kind in P2P for k in keys)]
-    return sorted(posted, key=lambda s: (not any(plan.dag.nodes[k].kind == Kind.SEND
-                                                 for k in plan.ranks[rank].streams[s]), s))
+    nodes, streams = dag.nodes, rank_plan.streams
+    posted = [s for s, keys in streams.items() if keys and all(nodes[k].kind in P2P for k in keys)]
+    return sorted(posted, key=lambda s: (not any(nodes[k].kind == Kind.SEND for k in streams[s]), s))
 
 
-def post_sizes(plan, rank: int) -> dict[str, int]:
-    """Bytes of each task on ``rank``'s posted streams (what the budget counts)."""
-    return {k: plan.dag.nodes[k].bytes for s in posted_streams(plan, rank) for k in plan.ranks[rank].streams[s]}
+def post_sizes(dag, rank_plan, posted: Iterable[str]) -> dict[str, int]:
+    """Bytes of each task on the ``posted`` streams (what the budget counts)."""
+    return {k: dag.nodes[k].bytes for s in posted for k in rank_plan.streams[s]}
 
 
 def post_times(receives: Iterable[tuple[str, int, float]], ahead: int = POST_AHEAD,

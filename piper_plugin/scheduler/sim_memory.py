@@ -11,9 +11,8 @@ that one finishes. Sent messages are held as :class:`TransientMemory` says.
 from __future__ import annotations
 
 from piper_plugin.ir.nodes import Kind
-from piper_plugin.scheduler.backward_passes import fused_backwards, input_grads_first
 from piper_plugin.scheduler.plan import Plan
-from piper_plugin.scheduler.posting import post_times, posted_streams
+from piper_plugin.scheduler.posting import post_times
 
 __all__ = ["TransientMemory"]
 
@@ -37,17 +36,17 @@ class TransientMemory:
         self.held: dict[str, int] = {}  # per node: the same on every rank it runs on
         # Kinds that never hold a buffer (see _held_bytes) skip the per-node computation.
         self.holding = {Kind.F, Kind.ALL_GATHER, Kind.RECV}
-        if any(level >= 2 for level in plan.dag.meta.get("replicated", {}).values()):
+        if any(level >= 2 for level in plan.dag.meta.replicated.values()):
             self.holding |= {Kind.B, Kind.BW}
-        self.posted = [posted_streams(plan, r) for r in range(world)]
+        self.posted = [list(plan.ranks[r].posted) for r in range(world)]
         self.receives: list[dict[str, list]] = [{} for _ in range(world)]  # posted RECV -> [bytes, first use]
         # ZeRO-3 gathers -> [start, end, bucket, bytes]: a rank holds one copy of a bucket while any
         # gather of it is in use (the runtime counts references; parameters do not change in a step)
         self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
         self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
         self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
-        self.fused = [fused_backwards(plan, r) for r in range(world)]  # BIs run whole (their BW: nothing)
-        self.split = [input_grads_first(plan, r) for r in range(world)]  # Bs run as BI, sends, BW
+        self.fused = [plan.ranks[r].fused for r in range(world)]  # BIs run whole (their BW: nothing)
+        self.split = [plan.ranks[r].split_first for r in range(world)]  # Bs run as BI, sends, BW
         self.for_weights: dict[tuple[int, str, int], int | None] = {}  # (rank, region, mb) -> BI's kept (None: whole)
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
@@ -59,7 +58,7 @@ class TransientMemory:
             self.sent[(key, r)] = node.bytes
         elif node.kind == Kind.RECV and node.bytes:
             dag = self.plan.dag
-            sender = self.plan.grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
+            sender = self.plan.grid.peer(r, dag.meta.placement[dag.nodes[node.peer].region])
             self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
         if node.kind in _BACKWARDS:
             self._working(r, node, start, finish)
@@ -108,7 +107,7 @@ class TransientMemory:
         """A backward's working memory while it runs, and what a BI keeps for its BW."""
         dag = self.plan.dag
         b = dag.regions[node.region].backward
-        scale, ep = 1 / self.shards, dag.meta.get("sharded", {}).get(node.region, 1)
+        scale, ep = 1 / self.shards, dag.meta.sharded.get(node.region, 1)
         slot = (r, node.region, node.microbatch)
         kept = 0
         if node.kind == Kind.B:
@@ -176,14 +175,14 @@ def _bucket_spans(gathers) -> list[tuple[float, int]]:
 def _held_bytes(plan: Plan, node, shards: int) -> int:
     dag = plan.dag
     if node.kind == Kind.F:
-        return dag.regions[node.region].activation_bytes // shards // plan.dag.meta.get("sharded", {}).get(node.region, 1)
+        return dag.regions[node.region].activation_bytes // shards // plan.dag.meta.sharded.get(node.region, 1)
     if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
         return node.bytes * len(next(iter(plan.grid.groups(node.axis, node.devices))))
     if node.kind == Kind.RECV:
         return node.bytes
-    if node.kind in (Kind.B, Kind.BW) and dag.meta.get("replicated", {}).get(node.region, 0) >= 2:
-        sizes = dag.meta["param_bytes"]
-        return sum(sizes[p] for p in dag.meta["update_params"][node.region]) // dag.meta.get("sharded", {}).get(node.region, 1)
+    if node.kind in (Kind.B, Kind.BW) and dag.meta.replicated.get(node.region, 0) >= 2:
+        sizes = dag.meta.param_bytes
+        return sum(sizes[p] for p in dag.meta.update_params[node.region]) // dag.meta.sharded.get(node.region, 1)
     return 0
 
 
@@ -192,7 +191,7 @@ def _consumers(plan: Plan, r: int, key: str) -> list[str]:
     dag = plan.dag
     node = dag.nodes[key]
     if node.kind == Kind.F:  # activations live until the backward that finishes with them
-        last = Kind.BW if dag.meta.get("split_backward") and dag.regions[node.region].params else (
-            Kind.BI if dag.meta.get("split_backward") else Kind.B)
+        last = Kind.BW if dag.meta.split_backward and dag.regions[node.region].params else (
+            Kind.BI if dag.meta.split_backward else Kind.B)
         return [s for s in dag.data_succ[key] if dag.nodes[s].kind == last]
     return [s for s in dag.data_succ[key] if r in dag.nodes[s].devices]

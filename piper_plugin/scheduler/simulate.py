@@ -57,17 +57,17 @@ class SimResult:
 def static_memory(plan: Plan) -> list[dict[str, int]]:
     """Per rank: bytes of params, grads and optimizer state kept across the step."""
     dag, grid = plan.dag, plan.grid
-    sizes = dag.meta["param_bytes"]
-    sharded = dag.meta.get("sharded", {})
+    sizes = dag.meta.param_bytes
+    sharded = dag.meta.sharded
     out = []
     for r in range(grid.world_size):
         mem = {"params": 0, "grads": 0, "optimizer": 0}
-        for region, params in dag.meta.get("update_params", {}).items():
+        for region, params in dag.meta.update_params.items():
             node = dag.nodes.get(f"{region}F0")
             if node is None or r not in node.devices:
                 continue
             full = sum(sizes[p] for p in params) // sharded.get(region, 1)
-            zero = dag.meta.get("replicated", {}).get(region, 0)
+            zero = dag.meta.replicated.get(region, 0)
             buckets = dag.buckets.get(region) or []
             axis = "dp" if region in sharded else "data"
             n = len(grid.groups(axis, node.devices)[0]) if buckets else 1
@@ -115,7 +115,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     timeline = []
     memory = TransientMemory(plan, shards, post_budget)
     on_task = memory.on_task
-    placement = dag.meta.get("placement", {})
+    placement = dag.meta.placement
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
     RECV, SEND = Kind.RECV, Kind.SEND

@@ -1,9 +1,10 @@
 """A distributed run against single-device training: the worst relative errors.
 
 The reference trains ``job``'s model the plain way (same seed, same batches, the job's own
-optimizer and LR scheduler) on the CPU in fp32. A run is compared by every step's loss as the
-last-stage ranks reported it, and by the gradient and parameter pieces every rank captured
-(``Job.capture_grads``): gradients of the last step, parameters after it.
+optimizer and LR scheduler) on the CPU in fp32: plain PyTorch, no Piper code. A run is compared
+by every step's loss as the last-stage ranks reported it, and by the gradients and parameters
+stitched whole from the pieces every rank captured (``Job.capture_grads``): gradients of the
+last step, parameters after it, each by name.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from typing import Any
 
 import torch
 
-from piper_plugin.runtime.job import Job
-from piper_plugin.runtime.pieces import expected_flat
+from piper_plugin import Job, stitch
 
 __all__ = ["ParityErrors", "rel", "single_device_errors"]
 
@@ -62,9 +62,11 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
         if scheduler is not None:
             scheduler.step()
     params = {n: p.detach() for n, p in reference.named_parameters()}
-    for rank, result in per_rank.items():
-        for piece in result["grad_pieces"]:
-            errors.note("grad", rel(piece.flat, expected_flat(piece, grads)), f"rank {rank}: {piece.names[0]}...")
-        for piece in result["param_pieces"]:
-            errors.note("param", rel(piece.flat, expected_flat(piece, params)), f"rank {rank}: {piece.names[0]}...")
+    for kind, whole, pieces in (("grad", grads, "grad_pieces"), ("param", params, "param_pieces")):
+        got = stitch([piece for result in per_rank.values() for piece in result[pieces]])
+        if set(got) != set(whole):
+            raise ValueError(f"the ranks' {pieces} cover {sorted(set(got) ^ set(whole))[:3]}... differently "
+                             f"from the model's parameters")
+        for name, tensor in got.items():
+            errors.note(kind, rel(tensor, whole[name]), name)
     return errors

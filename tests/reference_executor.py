@@ -87,7 +87,7 @@ class ReferenceExecutor:
                     for m, out in zip(group, outputs):
                         comm_ops.absorb(self.states[m], node, out)
                 elif node.kind == Kind.SEND:
-                    dst = grid.peer(r, dag.meta["placement"][dag.nodes[node.peer].region])
+                    dst = grid.peer(r, dag.meta.placement[dag.nodes[node.peer].region])
                     mailbox[(dst, node.peer)] = comm_ops.payload(state, node)
                     state.finished(key)
                     finished = (r,)

@@ -1,0 +1,76 @@
+"""What every ``piper`` subcommand parses with: the usage error, a parser that raises it,
+value parsers, and the strategy flags ``plan`` and ``train`` share.
+
+Invariants: nothing here prints or exits (``piper_plugin.cli.main`` turns :class:`UsageError`
+into one ``piper: error:`` line and exit status 2); importing this module imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["UsageError", "ArgumentParser", "int_at_least", "positive_int", "positive_float",
+           "add_strategy_args"]
+
+
+class UsageError(Exception):
+    """A bad command line or input file; printed as one ``piper: error:`` line, exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`UsageError` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``; ``what`` describes it in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1, "a positive integer")
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_strategy_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what schedule runs (shared by ``plan`` and ``train``)."""
+    from piper_plugin.models import TOY_MODELS
+    from piper_plugin.recipes import RECIPES
+
+    parser.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="1f1b", help="schedule recipe (default: 1f1b)")
+    parser.add_argument("--recipe-file", type=Path, metavar="FILE",
+                        help="replaces --recipe: a .py file defining recipe(sch, microbatches, **kw) "
+                             "(and optionally stages(pp, chunks) -> int, default pp), or a JSON trace "
+                             "written by Schedule.dumps() (it fixes --pp/--dp/--ep/--microbatches/--zero)")
+    parser.add_argument("--pp", type=positive_int, metavar="P", help="pipeline ranks (default: 2)")
+    parser.add_argument("--dp", type=positive_int, metavar="D", help="data-parallel degree (default: 1)")
+    parser.add_argument("--ep", type=positive_int, metavar="E", help="expert-parallel degree (default: 1)")
+    parser.add_argument("--microbatches", "-m", type=positive_int, metavar="M", help="microbatches (default: 4)")
+    parser.add_argument("--chunks", "-v", type=positive_int, default=2, metavar="V",
+                        help="stages per rank for interleaved-1f1b (default: 2)")
+    parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO level (default: 0)")
+    parser.add_argument("--batch", type=positive_int, metavar="N",
+                        help="global batch (default: microbatches x dp x ep x 2)")

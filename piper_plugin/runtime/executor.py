@@ -1,0 +1,261 @@
+"""The per-rank executor: one rank's part of a compiled plan, driven step by step by a host.
+
+Piper's own launchers (:class:`~piper_plugin.runtime.worker.Worker`) and host frameworks
+(TorchTitan's trainer through its adapter) run this same object. It owns the rank's chunks,
+parameter buckets and optimizers (:class:`RankState`), its communicators (:class:`DistComm`)
+and its stream runner; the plan it is given is complete (fused or split backwards, posting and
+streams were decided when the plan was made), so nothing here depends on the recipe.
+
+Invariants: ``step`` runs exactly the rank's plan once and returns with every send completed;
+losses are the loss region's outputs times ``loss_scale`` (default: the full-batch mean, 1 /
+(microbatches x data shards)); with ``optimizer_fn=None`` UPDATE tasks leave the gradients in
+``param.grad`` for the host's own optimizer. ``eval`` runs forwards only, region by region in
+region order, so every rank issues its messages in one global order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from piper_plugin.ir.capture import Program
+from piper_plugin.ir.nodes import COMPUTE
+from piper_plugin.runtime.compute import run_compute
+from piper_plugin.runtime.dist_comm import DistComm
+from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
+from piper_plugin.runtime.value_specs import ValueSpec
+from piper_plugin.scheduler.plan import Plan
+
+__all__ = ["Executor", "ExecutorConfig", "HostOptimizer", "PlanMismatch", "check_plan_hash"]
+
+
+class PlanMismatch(RuntimeError):
+    pass
+
+
+def check_plan_hash(plan, replicas: int = 1) -> None:
+    """Every process compiled the same plan, and the job has its ranks once per ``replicas``
+    (data-parallel copies of the plan a host framework reduces itself)."""
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.hash())
+    if len(set(hashes)) != 1:
+        raise PlanMismatch(f"ranks compiled different plans (hash per rank: {hashes}); run the same code "
+                           f"and flags on every rank")
+    if plan.grid.world_size * replicas != dist.get_world_size():
+        copies = f" x {replicas} replicas" if replicas > 1 else ""
+        raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep){copies} but the job has "
+                           f"{dist.get_world_size()}; set --nproc_per_node accordingly")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    """The runtime's knobs for one rank.
+
+    ``loss_scale``: the gradient each microbatch's loss starts from (None: 1 / (microbatches x
+    data shards), the mean over the global batch; 1.0 when the host's loss is already
+    normalised). ``track_saved_memory``: count saved activations on the CPU memory meter (a host
+    that reports memory itself turns it off). ``capture_grads``: keep host copies of the reduced
+    gradients each UPDATE applies (parity checks). ``replicas``: process ranks of every
+    replica of the plan, each ordered by plan rank, when a host runs several copies of one plan
+    (data parallelism outside Piper); None: the plan's ranks are the process ranks.
+    """
+
+    timeout_s: float = 60.0
+    loss_scale: float | None = None
+    track_saved_memory: bool = True
+    capture_grads: bool = False
+    replicas: tuple[tuple[int, ...], ...] | None = None
+    post_ahead: int | None = None
+    post_budget: int | None = None
+
+    def runner(self) -> RunnerConfig:
+        extra = {k: v for k, v in (("post_ahead", self.post_ahead), ("post_budget", self.post_budget)) if v is not None}
+        return RunnerConfig(timeout_s=self.timeout_s, **extra)
+
+
+class HostOptimizer:
+    """The optimizer UPDATE tasks call when the host steps its own: nothing. The host clips and
+    steps the parameters itself, reading the gradients left in ``param.grad``."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = list(params)
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class Executor:
+    """Rank ``rank`` of ``plan``, over ``model`` (the whole model or, for module regions, what
+    ``program.instantiate`` expects). A collective to construct: every rank builds its
+    communicators now, in one order. ``specs`` give the shape of every value that crosses ranks
+    for one microbatch (:func:`~piper_plugin.runtime.value_specs.probe_values`)."""
+
+    def __init__(self, plan: Plan, program: Program, rank: int, model: nn.Module,
+                 loss_fn: Callable[..., torch.Tensor], *, specs: Mapping[str, ValueSpec],
+                 optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                 config: ExecutorConfig = ExecutorConfig(), after_task: Callable[[str], None] | None = None):
+        self.plan, self.program, self.rank, self.config = plan, program, rank, config
+        self.specs = dict(specs)
+        self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer)
+        self.state.snapshot_grads = config.capture_grads
+        if config.loss_scale is not None:
+            self.state.scale = config.loss_scale
+        self.state.meter.track_saved = config.track_saved_memory
+        self.device = self.state.device
+        replicas = [list(r) for r in config.replicas] if config.replicas else None
+        check_plan_hash(plan, replicas=len(replicas) if replicas else 1)
+        self.comm = DistComm(plan, rank, self.specs, config.timeout_s, self.device, replicas=replicas)
+        self._compute_context: Callable[[], ContextManager] | None = None
+        self.runner = StreamRunner(plan.ranks[rank], self._execute, config.runner(), describe=self._describe,
+                                   device=self.device, after=after_task)
+        self._eval_group = None  # made on first eval (a collective over the replica's ranks)
+
+    # -- one training step -------------------------------------------------------------------
+    def step(self, *, batch: Mapping[str, torch.Tensor] | None = None,
+             microbatches: Mapping[str, Sequence[Any]] | None = None,
+             compute_context: Callable[[], ContextManager] | None = None) -> list[torch.Tensor]:
+        """Run the rank's plan once on ``batch`` (the global batch by input name: this rank takes
+        its data shard and cuts it into microbatches) or on ``microbatches`` (per input name, one
+        value per microbatch, already this rank's). ``compute_context`` wraps every compute task
+        (a host's thread-local state, e.g. its device meshes). Returns this rank's losses, one
+        per microbatch of the loss region (none on ranks without it)."""
+        state = self.state
+        if (batch is None) == (microbatches is None):
+            raise ValueError("Executor.step takes exactly one of batch= (the global batch) or microbatches=")
+        if batch is not None:
+            state.set_batch(dict(batch))
+        else:
+            self._check_microbatches(microbatches)
+            state.inputs = {name: list(values) for name, values in microbatches.items()}
+            state.losses = []
+            state.batch_shapes = tuple((name, tuple(tuple(getattr(v, "shape", ())) for v in values))
+                                       for name, values in state.inputs.items())
+        state.meter.begin_step(state.batch_shapes)
+        self._compute_context = compute_context
+        try:
+            self.runner.run_step()
+            self.comm.wait_sends()
+        finally:
+            self._compute_context = None
+        return list(state.losses)
+
+    def _check_microbatches(self, microbatches: Mapping[str, Sequence[Any]]) -> None:
+        m = self.plan.microbatches
+        for name, values in microbatches.items():
+            if len(values) != m:
+                raise ValueError(f"the plan has {m} microbatches but input {name!r} has {len(values)}")
+
+    def _execute(self, key: str):
+        node = self.plan.dag.nodes[key]
+        if node.kind not in COMPUTE:
+            return self.comm.run(self.state, node)  # a RECV returns its completion
+        self.comm.retire_sends()  # messages that arrived free their buffers before this task's own
+        context = self._compute_context
+        if context is None:
+            return run_compute(self.state, node)
+        with context():
+            result = run_compute(self.state, node)
+        if isinstance(result, Continue):  # a B that sent its input gradients first: its rest too
+            rest = result.rest
+
+            def in_context() -> None:
+                with context():
+                    rest()
+            return Continue(in_context)
+        return result
+
+    def _describe(self, key: str) -> str:
+        """Who a blocked task waits for, for timeout messages."""
+        node, dag, grid = self.plan.dag.nodes[key], self.plan.dag, self.plan.grid
+        if node.peer is not None:
+            other = grid.peer(self.rank, dag.meta.placement[dag.nodes[node.peer].region])
+            return f" (a message from rank {other})" if node.kind.value == "RECV" else f" (rank {other})"
+        if node.axis is not None:
+            group = next(g for g in grid.groups(node.axis, node.devices) if self.rank in g)
+            return f" (a collective with ranks {list(group)})"
+        return ""
+
+    # -- forward only ------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval(self, microbatches: Mapping[str, Sequence[Any]]) -> list[torch.Tensor]:
+        """Forward only: each microbatch's loss on the ranks holding the loss region (unscaled).
+
+        Regions run in region order, each on its own rank; a value another rank needs is sent as
+        soon as it is made (never blocking) and received when its consumer runs, so every rank
+        walks one global order and nothing can wait in a cycle."""
+        state, dag, grid = self.state, self.plan.dag, self.plan.grid
+        self._check_microbatches(microbatches)
+        unsupported = [r for r, z in dag.meta.replicated.items() if z >= 3] + list(dag.meta.sharded)
+        if unsupported:
+            raise ValueError(f"eval runs plans whose regions hold whole parameters; regions {sorted(unsupported)} "
+                             f"are ZeRO-3 or expert-sharded: evaluate with replicate(zero<=2) and no shard()")
+        if self._eval_group is None:
+            ranks = sorted({self.comm.process_rank[r] for r in range(grid.world_size)})
+            self._eval_group = dist.new_group(ranks) if len(ranks) > 1 else None
+        placement, me = dag.meta.placement, grid.coords(self.rank)[0]
+        regions = sorted(dag.regions.values(), key=lambda r: r.index)
+        producer = {v: r.name for r in regions for v in r.outputs}
+        consumers = {v: sorted({placement[r.name] for r in regions if v in r.inputs} - {placement[producer[v]]})
+                     for v in producer}
+        tags = {v: i for i, v in enumerate(sorted(producer))}
+        losses: list[torch.Tensor] = []
+        sends = []
+        for mb in range(self.plan.microbatches):
+            values: dict[str, Any] = {}
+            for region in regions:
+                if placement[region.name] != me:
+                    continue
+                args = []
+                for v in region.inputs:
+                    if v in values:
+                        args.append(values[v])
+                    elif v in microbatches:
+                        args.append(microbatches[v][mb])
+                    else:
+                        args.append(self._eval_recv(v, placement[producer[v]], tags[v]))
+                outputs = dict(zip(region.outputs, state.chunks[region.name](*args)))
+                values.update(outputs)
+                for v, t in outputs.items():
+                    for pp in consumers[v]:
+                        if isinstance(t, torch.Tensor) and self.specs[v].is_tensor:
+                            dst = self.comm.process_rank[grid.peer(self.rank, pp)]
+                            sends.append(dist.isend(t.contiguous(), dst=dst, group=self._eval_group, tag=tags[v]))
+                if region.name == state.loss_region:
+                    losses.append(outputs[state.loss_value].detach())
+        for work in sends:
+            work.wait()
+        return losses
+
+    def _eval_recv(self, value: str, pp: int, tag: int) -> Any:
+        spec = self.specs[value]
+        if not spec.is_tensor:
+            return spec.constant
+        buf = spec.empty(self.device)
+        src = self.comm.process_rank[self.plan.grid.peer(self.rank, pp)]
+        dist.recv(buf, src=src, group=self._eval_group, tag=tag)
+        return buf
+
+    # -- state for checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank needs to resume: its parameters as it holds them (whole, or its ZeRO-3
+        shard) and each region's optimizer state. Valid for the same plan and rank."""
+        return {"plan": self.plan.hash(), "rank": self.rank, "params": self.state.checkpoint(),
+                "optimizers": {r: o.state_dict() for r, o in self.state.optimizers.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned on this rank of the same plan."""
+        if (state["plan"], state["rank"]) != (self.plan.hash(), self.rank):
+            raise ValueError(f"this state is rank {state['rank']} of plan {state['plan']}, but this executor is rank "
+                             f"{self.rank} of plan {self.plan.hash()}: resume with the schedule that saved it")
+        self.state.restore(state["params"])
+        for region, opt_state in state["optimizers"].items():
+            self.state.optimizers[region].load_state_dict(opt_state)

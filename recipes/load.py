@@ -1,0 +1,137 @@
+"""One loader, one contract, for every way of writing a recipe.
+
+``load(spec)`` takes a built-in recipe name (``1f1b``), a Python file defining
+``recipe(sch, *, microbatches, chunks, zero)`` (and optionally ``stages(pp, chunks) -> int``,
+default ``pp``), or a JSON trace written by ``Schedule.dumps()``. Each comes back as a
+:class:`Recipe`: ``recipe.schedule(program, pp=..., microbatches=...)`` returns the Schedule with
+its directives applied. A trace fixes its grid, microbatches and ZeRO level (``Recipe.fixed``);
+asking it for other values is an error naming the trace and the value, never a silent override.
+"""
+from __future__ import annotations
+
+import json
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from piper_plugin.api.errors import DirectiveError
+from piper_plugin.api.schedule import Schedule
+from piper_plugin.recipes.pipeline import RECIPES, apply_recipe, stages_needed
+
+__all__ = ["Recipe", "RecipeError", "load"]
+
+# What a JSON trace fixes, and the defaults a caller gets for what it does not pass.
+DEFAULTS = {"pp": 2, "dp": 1, "ep": 1, "microbatches": 4, "zero": 0}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded or applied; the message names the recipe and the fix."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded recipe. ``fixed`` holds what a trace decides (empty for names and files)."""
+
+    name: str
+    builtin: bool
+    fixed: dict[str, int] = field(default_factory=dict)
+    _apply: Callable[..., Schedule] = field(repr=False, default=None)  # type: ignore[assignment]
+    _stages: Callable[[int, int], int] = field(repr=False, default=None)  # type: ignore[assignment]
+
+    def stages(self, pp: int, chunks: int = 2) -> int:
+        """How many PP stages the model must be annotated with."""
+        return self._stages(pp, chunks)
+
+    def settings(self, **given: int | None) -> dict[str, int]:
+        """``given`` (pp, dp, ep, microbatches, zero; None = unset) completed by the trace or the
+        defaults; a value that contradicts the trace raises RecipeError."""
+        out = dict(DEFAULTS)
+        for key, value in given.items():
+            if value is not None:
+                out[key] = value
+        for key, traced in self.fixed.items():
+            value = given.get(key)
+            if value is not None and value != traced:
+                raise RecipeError(f"{key}={value} conflicts with the trace {self.name!r} ({key}={traced}); "
+                                  f"drop it or re-record the trace")
+            out[key] = traced
+        return out
+
+    def schedule(self, program: Any, *, pp: int | None = None, dp: int | None = None, ep: int | None = None,
+                 microbatches: int | None = None, chunks: int = 2, zero: int | None = None) -> Schedule:
+        """A Schedule over ``program`` with this recipe's directives applied."""
+        s = self.settings(pp=pp, dp=dp, ep=ep, microbatches=microbatches, zero=zero)
+        return self._apply(program, s["pp"], s["dp"], s["ep"], s["microbatches"], chunks, s["zero"])
+
+
+def load(spec: str | Path) -> Recipe:
+    """A built-in recipe name, a ``.py`` recipe file or a ``.json`` Schedule trace."""
+    text = str(spec)
+    if text in RECIPES:
+        return _builtin(text)
+    path = Path(text)
+    if not path.is_file():
+        raise RecipeError(f"recipe {text!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor an existing file")
+    if path.suffix == ".json":
+        return _trace(path)
+    return _python(path)
+
+
+def _builtin(name: str) -> Recipe:
+    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+        sch = Schedule(program, pp=pp, dp=dp, ep=ep)
+        return apply_recipe(sch, name, microbatches=microbatches, chunks=chunks, zero=zero)
+
+    return Recipe(name, True, {}, apply, lambda pp, chunks: stages_needed(name, pp, chunks))
+
+
+def _trace(path: Path) -> Recipe:
+    try:
+        data = json.loads(path.read_text())
+        grid, directives = data["grid"], data["directives"]
+        steps = {name: [d for d in directives if d.get("directive") == name] for name in ("split", "replicate", "place")}
+        fixed = {"pp": int(grid["pp"]), "dp": int(grid.get("dp", 1)), "ep": int(grid.get("ep", 1)),
+                 "microbatches": int(steps["split"][-1]["microbatches"]) if steps["split"] else DEFAULTS["microbatches"],
+                 "zero": max([int(d["zero"]) for d in steps["replicate"]], default=0)}
+        pp_tags = [int(d["regions"].split("=", 1)[1]) for d in steps["place"] if d["regions"].startswith("PP=")]
+        stages = 1 + max(pp_tags, default=fixed["pp"] - 1)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise RecipeError(f"recipe file {str(path)!r} is not a Schedule trace ({type(exc).__name__}: {exc}); "
+                          f"write one with Schedule.dumps()") from None
+
+    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+        return Schedule.from_json(program, data)
+
+    return Recipe(path.name, False, fixed, apply, lambda pp, chunks: stages)
+
+
+def _python(path: Path) -> Recipe:
+    where = f"recipe file {str(path)!r}"
+
+    def call(fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        try:
+            return fn(*a, **kw)
+        except (DirectiveError, RecipeError):
+            raise
+        except Exception as exc:  # the user's code: one line naming the file, not our traceback
+            raise RecipeError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+    namespace = call(runpy.run_path, str(path))
+    recipe = namespace.get("recipe")
+    if not callable(recipe):
+        raise RecipeError(f"{where} defines no function recipe(sch, *, microbatches, chunks, zero)")
+    stages_fn = namespace.get("stages")
+
+    def stages(pp: int, chunks: int) -> int:
+        n = call(stages_fn, pp, chunks) if callable(stages_fn) else pp
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise RecipeError(f"{where}: stages(pp, chunks) returned {n!r}, expected a positive int")
+        return n
+
+    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+        sch = Schedule(program, pp=pp, dp=dp, ep=ep)
+        call(recipe, sch, microbatches=microbatches, chunks=chunks, zero=zero)
+        return sch
+
+    return Recipe(path.name, False, {}, apply, stages)
