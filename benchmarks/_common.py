@@ -3,17 +3,20 @@
 Every benchmark builds its model from one seed (``torch.manual_seed(seed)`` then the model
 constructor, as :meth:`Job.build_model` does), feeds the same seeded random-token batches to
 every engine it compares, and runs its ranks as processes forked from a fork server (as
-Piper's own launcher does: a process that ran autograd must not be forked) on gloo, with one
-torch thread each.
+Piper's own launcher does: a process that ran autograd must not be forked) on gloo (NCCL for a
+Piper job on GPUs), with one torch thread each. Piper's ranks are :class:`piper_plugin.Worker`,
+the rank ``piper.run`` builds (a Job's model and data around the published Executor).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import io
 import multiprocessing as mp
 import os
 import queue
 import shlex
+import socket
 import statistics
 import time
 import traceback
@@ -24,16 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from piper_plugin.api.schedule import Schedule
+from piper_plugin import Compiled, Job, Schedule, Worker
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_batch, lm_loss
-from piper_plugin.recipes import apply_recipe, stages_needed
-from piper_plugin.runtime.job import Job
-from piper_plugin.runtime.launch.processes import _pack, _unpack, free_port, stop
+from piper_plugin.recipes import apply_recipe, stages_needed, stages_of_rank
 
-__all__ = ["RESULTS", "RandomTokens", "lm_config", "build_lm", "lm_job", "run_ranks", "piper_timed_body",
-           "torch_pipeline_rank", "alternating_rank", "ALTERNATION", "slowest_rank_times", "total_cpu_times",
-           "command_line", "markdown_table", "write_result", "median", "fmt_ms", "machine_line", "code_version",
-           "ForeignLoad", "wait_for_quiet"]
+__all__ = ["RESULTS", "RandomTokens", "lm_config", "build_lm", "lm_job", "run_ranks", "run_piper",
+           "piper_timed_body", "torch_pipeline_rank", "alternating_rank", "ALTERNATION",
+           "slowest_rank_times", "total_cpu_times", "command_line", "markdown_table", "write_result", "median",
+           "fmt_ms", "machine_line", "code_version", "ForeignLoad", "wait_for_quiet"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -106,16 +107,16 @@ def _measured(record: dict[str, list], warmup: int) -> dict[str, Any]:
             "cpu_total": time.process_time()}
 
 
-def _piper_timed(worker, warmup: int, steps: int) -> dict[str, Any]:
+def _piper_timed(rank: Worker, warmup: int, steps: int) -> dict[str, Any]:
     """``warmup + steps`` steps, each started together on every rank (a barrier before it)."""
     record = _new_record()
     for _ in range(warmup + steps):
-        _timed_step(lambda: worker.step().get("loss"), record)
-    return {**_measured(record, warmup), "timeline": worker.runner.timeline, "peak": worker.state.meter.peak}
+        _timed_step(lambda: rank.step().get("loss"), record)
+    return {**_measured(record, warmup), "timeline": rank.runner.timeline, "peak": rank.state.meter.peak}
 
 
 def piper_timed_body(warmup: int, steps: int) -> Callable:
-    """A ``run_forked`` body timing ``worker.step()``; returns times, losses, last timeline."""
+    """A :func:`run_piper` body timing ``rank.step()``; returns times, losses, last timeline."""
     return functools.partial(_piper_timed, warmup=warmup, steps=steps)
 
 
@@ -130,8 +131,6 @@ def _torch_stepper(rank: int, world: int, *, job: Job, stage_module: Callable[[n
     ``stage_module(model, s, num_stages)`` on the rank ``layout`` gives it.
     """
     from torch.distributed import pipelining
-
-    from piper_plugin.recipes.orders import stages_of_rank
 
     local = stages_of_rank(rank, world, num_stages // world, layout)
     model = job.build_model()
@@ -176,17 +175,16 @@ def alternating_rank(rank: int, world: int, *, job: Job, program, plan, stage_mo
                      num_stages: int, warmup: int, steps: int) -> dict[str, dict[str, Any]]:
     """One rank running both engines side by side in one process (call in ``run_ranks``).
 
-    Piper's :class:`Worker` and torch's schedule each hold their own model (same seed, so the
-    same weights), optimizer and batch stream; steps follow :data:`ALTERNATION`, so neighbouring
-    steps of the two engines see the same machine. Each engine runs ``warmup + steps`` steps and
-    drops its first ``warmup``. Returns engine -> times, cpu, losses (as the single-engine bodies).
+    Piper's rank (:class:`Worker`, as ``piper.run`` builds it) and torch's schedule each hold
+    their own model (same seed, so the same weights), optimizer and batch stream; steps follow
+    :data:`ALTERNATION`, so neighbouring steps of the two engines see the same machine. Each engine
+    runs ``warmup + steps`` steps and drops its first ``warmup``. Returns engine -> times, cpu,
+    losses (as the single-engine bodies).
     """
-    from piper_plugin.runtime.worker import Worker
-
     torch_step = _torch_stepper(rank, world, job=job, stage_module=stage_module, schedule=schedule, layout=layout,
                                 num_stages=num_stages, microbatches=plan.microbatches)
-    worker = Worker(rank, job, program, plan)  # the process group is up: it only adds its own groups
-    steppers = {"torch": torch_step, "piper": lambda: worker.step().get("loss")}
+    piper = Worker(rank, job, program, plan)  # the process group is up: it only adds its own groups
+    steppers = {"torch": torch_step, "piper": lambda: piper.step().get("loss")}
     records = {e: _new_record() for e in steppers}
     for k in range(2 * (warmup + steps)):
         engine = ALTERNATION[k % len(ALTERNATION)]
@@ -204,8 +202,58 @@ def total_cpu_times(results: dict[int, dict[str, Any]]) -> list[float]:
     return [sum(ts) for ts in zip(*(r["cpu"] for r in results.values()))]
 
 
-# -- a forked rank launcher for other engines -----------------------------------------------
-def _rank_main(rank: int, world: int, port: int, shipped: bytes, timeout_s: float, out) -> None:
+# -- a forked rank launcher for both engines -------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pack(payload: Any) -> bytes:
+    """Results travel as bytes (``torch.save``): shared-memory handles would die with the rank."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _stop(procs) -> None:
+    """Kill what still runs and reap everything (no process left behind)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+def rank_device(kind: str, rank: int) -> torch.device:
+    """The device of ``rank`` for a job's ``device`` (``LOCAL_RANK``'s GPU, else rank modulo GPUs)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"device {kind!r} is not available here; use 'cpu'" if kind == "cuda"
+                         else f"unknown device {kind!r}; use 'cpu' or 'cuda'")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+
+
+def _init_group(rank: int, world: int, port: int, timeout_s: float, device: str) -> None:
+    """The default group as Piper's ranks make it: gloo on a CPU; on a GPU, NCCL bound to the
+    rank's device (every communicator created with its group, in one order on every rank)."""
+    from datetime import timedelta
+
+    kwargs: dict[str, Any] = {}
+    dev = rank_device(device, rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        kwargs["device_id"] = dev
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
+
+
+def _rank_main(rank: int, world: int, port: int, shipped: bytes, timeout_s: float, device: str, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
@@ -213,10 +261,7 @@ def _rank_main(rank: int, world: int, port: int, shipped: bytes, timeout_s: floa
 
         fn = cloudpickle.loads(shipped)
         torch.set_num_threads(1)
-        from datetime import timedelta
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        _init_group(rank, world, port, timeout_s, device)
         result = fn(rank, world)
         dist.barrier()
         out.put(("result", rank, _pack(result)))
@@ -229,15 +274,19 @@ def _rank_main(rank: int, world: int, port: int, shipped: bytes, timeout_s: floa
 
 
 def _fork_server():
-    try:
-        from piper_plugin.runtime.launch.processes import _context  # the fork server Piper's ranks come from
-    except ImportError:  # a launcher without one: plain fork
-        return mp.get_context("fork")
-    return _context()
+    """The start method of Piper's fork launcher: a fork server that imported torch and Piper
+    but never ran autograd (a process that ran autograd must not be forked). One fork server
+    serves the whole process, so both engines' ranks come from the same one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["benchmarks._warm"])
+    return ctx
 
 
-def run_ranks(world: int, fn: Callable[[int, int], Any], timeout_s: float = 300.0) -> dict[int, Any]:
-    """Run ``fn(rank, world)`` in ``world`` processes with a gloo default group.
+def run_ranks(world: int, fn: Callable[[int, int], Any], timeout_s: float = 300.0,
+              device: str = "cpu") -> dict[int, Any]:
+    """Run ``fn(rank, world)`` in ``world`` processes with a default group (gloo; NCCL for
+    ``device="cuda"``), one torch thread each; ``timeout_s`` bounds the group's operations and
+    the whole run.
 
     The processes come from the fork server Piper's launcher uses (``fn`` travels with
     cloudpickle), so both engines start their ranks the same way.
@@ -248,7 +297,7 @@ def run_ranks(world: int, fn: Callable[[int, int], Any], timeout_s: float = 300.
     out = ctx.Queue()
     port = free_port()
     shipped = cloudpickle.dumps(fn)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, shipped, timeout_s, out), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, shipped, timeout_s, device, out), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -272,8 +321,20 @@ def run_ranks(world: int, fn: Callable[[int, int], Any], timeout_s: float = 300.
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
             results[rank] = _unpack(payload)
     finally:
-        stop(procs)
+        _stop(procs)
     return results
+
+
+def _piper_body(rank: int, world: int, *, job: Job, program, plan, body: Callable[[Worker], Any]) -> Any:
+    return body(Worker(rank, job, program, plan))
+
+
+def run_piper(job: Job, compiled: Compiled, body: Callable[[Worker], Any]) -> dict[int, Any]:
+    """``body(rank)`` on every rank of ``compiled``'s plan, each rank a :class:`Worker` of
+    ``job`` (what ``piper.run(job, launcher="fork")`` runs, with the benchmark's body in place
+    of its step loop); rank -> what ``body`` returned. The whole run gets ``job.timeout_s``."""
+    fn = functools.partial(_piper_body, job=job, program=compiled.program, plan=compiled.plan, body=body)
+    return run_ranks(compiled.plan.grid.world_size, fn, timeout_s=job.timeout_s, device=job.device)
 
 
 # -- other processes on the machine ----------------------------------------------------------

@@ -51,16 +51,14 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # fp32 matmuls in every rank
 
 import torch
 
+import piper_plugin as piper
 from benchmarks._common import (
-    code_version, command_line, lm_config, lm_job, markdown_table, piper_timed_body, slowest_rank_times, write_result,
+    code_version, command_line, lm_config, lm_job, markdown_table, piper_timed_body, run_piper, slowest_rank_times,
+    write_result,
 )
-from piper_plugin.api.schedule import Schedule
+from benchmarks.parity_oracle import single_device_errors
+from piper_plugin import Schedule, measured_costs, measured_result, simulate
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import compile_job
-from piper_plugin.runtime.launch.processes import run_forked
-from piper_plugin.runtime.parity import single_device_errors
-from piper_plugin.scheduler.simulate import simulate
-from piper_plugin.train_report import measured_costs, measured_result
 
 __all__ = ["main", "build_parser"]
 
@@ -96,10 +94,9 @@ def _job(args, *, recipe: str, pp: int, dp: int = 1, zero: int = 0, **extra):
 
 
 def _train(job) -> dict[str, Any]:
-    """Run ``job`` on forked ranks; its parity and memory figures."""
-    program, _, plan, simulated = compile_job(job)
-    metrics: list[dict[str, Any]] = []
-    per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
+    """Run ``job`` on forked ranks (Piper's fork launcher); its parity and memory figures."""
+    result = piper.run(job, launcher="fork")
+    metrics, per_rank, plan, simulated = result.metrics, result.per_rank, result.plan, result.simulated
     errors = single_device_errors(job, metrics, per_rank)
     later = [m for m in metrics if m["step"] >= min(2, job.steps - 1)]  # replayed / warm steps
     memory = []
@@ -115,7 +112,8 @@ def _train(job) -> dict[str, Any]:
             "step_ms": statistics.median(m["step_time_s"] for m in later) * 1e3,
             "bubble": _bubbles(plan, timelines, simulated),
             "timeline_faults": _timeline_faults(plan, timelines, last_step_s),
-            "backward_working": max(r.backward.full.at(1 / plan.microbatches) for r in program.regions.values())}
+            # the plan's regions are the captured program's
+            "backward_working": max(r.backward.full.at(1 / plan.microbatches) for r in plan.dag.regions.values())}
 
 
 def _bubbles(plan, timelines: dict[int, list], simulated) -> tuple[float, float, float]:
@@ -152,9 +150,8 @@ def _piper_step_ms(job) -> float:
     """Median step time of ``job`` on forked ranks without the parity snapshots (host copies
     of every gradient and parameter, which ``_train`` takes for the parity check)."""
     job = dataclasses.replace(job, capture_grads=False)
-    program, _, plan, _ = compile_job(job)
     warmup = min(2, job.steps - 1)
-    out = run_forked(job, program, plan, body=piper_timed_body(warmup=warmup, steps=job.steps - warmup))
+    out = run_piper(job, job.compile(), piper_timed_body(warmup=warmup, steps=job.steps - warmup))
     return statistics.median(slowest_rank_times(out)) * 1e3
 
 
@@ -212,8 +209,7 @@ def _overlap(args) -> tuple[list[float], list[float]]:
         for one_stream in (False, True):
             job = _job(args, recipe="1f1b", pp=1, dp=2, zero=3, one_stream=one_stream)
             job.capture_grads = False
-            program, _, plan, _ = compile_job(job)
-            out = run_forked(job, program, plan, body=piper_timed_body(warmup=1, steps=args.steps - 1))
+            out = run_piper(job, job.compile(), piper_timed_body(warmup=1, steps=args.steps - 1))
             times[one_stream] += slowest_rank_times(out)
     return times[False], times[True]
 

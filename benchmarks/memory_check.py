@@ -1,6 +1,6 @@
 """Measured vs simulated peak activation memory per rank (toy LM, forked gloo ranks).
 
-*Measured* is ``Worker.state.meter.peak`` after a step: the transient bytes of one step
+*Measured* is the rank's ``Executor.state.meter.peak`` after a step: the transient bytes of one step
 (tensors autograd saved for backward, deduplicated by storage, each backward's working memory
 counted op by op, plus values waiting in inboxes, messages in flight, gradients a split
 backward keeps for its weight pass and gathered ZeRO-3 buckets). *Simulated* is
@@ -39,15 +39,9 @@ import torch
 import torch.nn as nn
 
 from benchmarks._common import (
-    code_version, command_line, lm_config, lm_job, machine_line, markdown_table, write_result,
+    code_version, command_line, lm_config, lm_job, machine_line, markdown_table, run_piper, write_result,
 )
-from piper_plugin.ir.activations import saved_activation_bytes as core_saved_activation_bytes
-from piper_plugin.ir.capture import Program
-from piper_plugin.runtime.job import Job, compile_job
-from piper_plugin.runtime.launch.processes import run_forked
-from piper_plugin.runtime.memory import MemoryMeter
-from piper_plugin.scheduler.plan import Plan
-from piper_plugin.scheduler.simulate import simulate
+from piper_plugin import Job, MemoryMeter, Program, capture, simulate
 
 __all__ = ["main", "build_parser", "saved_activation_bytes", "StorageMeter"]
 
@@ -117,37 +111,44 @@ class _CountOutputs(nn.Module):
         return outs
 
 
-def _install_corrected_meter(worker) -> None:
-    state = worker.state
+def _install_corrected_meter(rank) -> None:
+    state = rank.state
     meter = StorageMeter()
     meter.ignore([p for c in state.chunks.values() for p in c.parameters()])
     state.meter = meter
     state.chunks = {name: _CountOutputs(chunk, meter) for name, chunk in state.chunks.items()}
 
 
-def _measure(worker, steps: int) -> dict[str, Any]:
+def _measure(rank, steps: int) -> dict[str, Any]:
     """Peak of step ``steps`` with the shipped meter, then of as many steps with the corrected one."""
     out: dict[str, Any] = {}
     for label in ("shipped", "corrected"):
         if label == "corrected":
-            _install_corrected_meter(worker)
+            _install_corrected_meter(rank)
         for _ in range(steps):
-            before = worker.state.meter.current
-            worker.step()
-        out[label] = {"peak": worker.state.meter.peak, "at_start": before, "at_end": worker.state.meter.current}
+            before = rank.state.meter.current
+            rank.step()
+        out[label] = {"peak": rank.state.meter.peak, "at_start": before, "at_end": rank.state.meter.current}
     return out
 
 
 # -- the saved-storage estimate, on one microbatch ----------------------------------------------
 def saved_activation_bytes(program: Program, job: Job, microbatch: tuple[torch.Tensor, ...]) -> dict[str, int]:
-    """Per region: the core estimate (:func:`piper_plugin.ir.activations.saved_activation_bytes`)
-    taken on one microbatch instead of the captured example batch."""
+    """Per region of ``program``: the core estimate capture gives each region
+    (``Region.activation_bytes``: the storages autograd saves on fake CPU tensors plus the
+    region's outputs) taken on one microbatch instead of the captured example batch: the same
+    model captured on ``microbatch`` cuts the same regions."""
     with torch.device("meta"):
         model = job.model_fn()
-    return core_saved_activation_bytes(program, model, job.loss_fn, microbatch)
+    *inputs, target = microbatch
+    regions = capture(model, job.loss_fn, tuple(inputs), target).regions
+    if set(regions) != set(program.regions):
+        raise ValueError(f"capturing on one microbatch cut regions {sorted(regions)}, the job's program "
+                         f"{sorted(program.regions)}: the model's regions must not depend on the batch size")
+    return {name: regions[name].activation_bytes for name in program.regions}
 
 
-def _with_activation_bytes(plan: Plan, per_microbatch: dict[str, int]) -> Plan:
+def _with_activation_bytes(plan, per_microbatch: dict[str, int]):
     """``plan`` whose regions hold ``per_microbatch`` bytes (scaled as capture's full-batch sizes)."""
     dag = plan.dag.copy()
     shards = plan.microbatches * plan.grid.data_shards
@@ -160,10 +161,11 @@ def _with_activation_bytes(plan: Plan, per_microbatch: dict[str, int]) -> Plan:
 def check(cfg, args: argparse.Namespace, recipe: str) -> list[dict[str, Any]]:
     job = lm_job(cfg, recipe=recipe, pp=args.pp, microbatches=args.microbatches, batch=args.batch,
                  chunks=args.chunks, seed=args.seed, timeout_s=args.timeout)
-    program, _, plan, sim = compile_job(job)
+    compiled = job.compile()
+    program, plan, sim = compiled.program, compiled.plan, compiled.simulation
     first = next(iter(job.data_fn(job.seed)))
     micro = tuple(t.chunk(plan.grid.data_shards)[0].chunk(plan.microbatches)[0] for t in first)
-    measured = run_forked(job, program, plan, body=functools.partial(_measure, steps=args.steps))
+    measured = run_piper(job, compiled, functools.partial(_measure, steps=args.steps))
     sim_fixed = simulate(_with_activation_bytes(plan, saved_activation_bytes(program, job, micro)))
     rows = []
     for rank in range(plan.grid.world_size):
@@ -266,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"Machine: {machine_line()}.", "",
         f"Model: toy LM dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, ffn {cfg.ffn}, vocab {cfg.vocab}, "
         f"seq {cfg.seq}; global batch {args.batch}, {args.microbatches} microbatches, {args.pp} ranks, fp32. "
-        f"Transient bytes only (no parameters, gradients, optimizer state). Measured: `Worker.state.meter.peak` of "
+        f"Transient bytes only (no parameters, gradients, optimizer state). Measured: `Executor.state.meter.peak` of "
         f"step {args.steps} (the meter resets its peak to its current level at the start of a step; "
         f"'left from last step' is that level; from step 3 on, the shipped meter replays the saved-activation "
         f"changes that steps 1 and 2 measured alike instead of hooking every saved tensor, so a step-3 row checks "

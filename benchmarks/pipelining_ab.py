@@ -33,7 +33,6 @@ from benchmarks._common import (
 )
 from piper_plugin.models import ToyLM, ToyLMConfig, layer_stages
 from piper_plugin.recipes import stages_needed
-from piper_plugin.runtime.job import compile_job
 
 __all__ = ["main", "build_parser", "SCHEDULES", "TorchStageModule"]
 
@@ -77,14 +76,14 @@ def backward_split_cost(cfg: ToyLMConfig, args: argparse.Namespace) -> dict[str,
 
     The stage is stage 1 of the 2 x 2 split DualPipeV uses, on one microbatch: ``full`` is one
     ``torch.autograd.backward``; ``piper`` is what ``runtime/compute.py`` runs for BI then BW
-    (:func:`piper_plugin.runtime.split_backward.backward_input`, then the pending weight
+    (:func:`piper_plugin.autograd.backward_input`, then the pending weight
     gradients' ``run``); ``torch`` is ``stage_backward_input`` then ``stage_backward_weight`` of
     ``torch.distributed.pipelining``. Both keep the gradients reaching each weight's op in BI, so
     BW only runs the last hop.
     """
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from piper_plugin.runtime.split_backward import backward_input
+    from piper_plugin.autograd import backward_input
 
     num_stages = stages_needed("dualpipev", args.pp, args.chunks)
     torch.manual_seed(args.seed)
@@ -133,8 +132,9 @@ def run_alternating(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str) -> 
     """Both engines in the same forked ranks, steps alternating (engine -> rank -> results)."""
     schedule, layout = SCHEDULES[recipe]
     job = _job(cfg, args, recipe)
-    program, _, plan, _ = compile_job(job)
-    fn = functools.partial(alternating_rank, job=job, program=program, plan=plan, stage_module=TorchStageModule,
+    compiled = job.compile()
+    fn = functools.partial(alternating_rank, job=job, program=compiled.program, plan=compiled.plan,
+                           stage_module=TorchStageModule,
                            schedule=schedule, layout=layout, num_stages=stages_needed(recipe, args.pp, args.chunks),
                            warmup=args.warmup, steps=args.steps)
     per_rank = run_ranks(args.pp, fn, timeout_s=args.timeout)

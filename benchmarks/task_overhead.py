@@ -47,16 +47,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from benchmarks._common import (
-    ForeignLoad, code_version, command_line, machine_line, markdown_table, median, run_ranks, slowest_rank_times,
-    torch_pipeline_rank, wait_for_quiet, write_result,
+    ForeignLoad, code_version, command_line, machine_line, markdown_table, median, run_piper, run_ranks,
+    slowest_rank_times, torch_pipeline_rank, wait_for_quiet, write_result,
 )
-from piper_plugin.api.annotate import module_tags
-from piper_plugin.api.schedule import Schedule
-from piper_plugin.ir.nodes import COMPUTE, Kind
-from piper_plugin.models import mse_loss, toy_sequential
+from piper_plugin import Job, Schedule
+from piper_plugin.models import layer_stages, mse_loss, toy_sequential
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import Job, compile_job
-from piper_plugin.runtime.launch.processes import run_forked
 
 __all__ = ["main", "build_parser", "CONFIGS"]
 
@@ -111,8 +107,17 @@ TORCH_SCHEDULES = {"1f1b": ("Schedule1F1B", "loop"), "interleaved-1f1b": ("Sched
 
 
 def sequential_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
-    """The modules of ``toy_sequential`` tagged ``PP=stage`` (the region Piper cuts)."""
-    return nn.Sequential(*[m for m in model if module_tags(m).get("PP") == stage])
+    """The modules of ``toy_sequential`` tagged ``PP=stage`` (the region Piper cuts): as it tags
+    them, each ``Linear`` with the ``ReLU`` after it, the groups split over the stages by
+    :func:`layer_stages`."""
+    groups: list[list[nn.Module]] = []
+    for m in model:
+        if isinstance(m, nn.Linear) or not groups:
+            groups.append([m])
+        else:
+            groups[-1].append(m)
+    owner = layer_stages(len(groups), num_stages)
+    return nn.Sequential(*[m for group, s in zip(groups, owner) if s == stage for m in group])
 
 
 def _gloo_round_trip(rank: int, world: int, n: int = 1000) -> tuple[float, float]:
@@ -131,10 +136,10 @@ def _gloo_round_trip(rank: int, world: int, n: int = 1000) -> tuple[float, float
     return (time.perf_counter() - start) / n, (time.process_time() - start_cpu) / n
 
 
-def _bare(worker, repeats: int) -> float:
+def _bare(rank, repeats: int) -> float:
     """Seconds for this rank's chunk calls with no runtime around them (one step's worth)."""
-    state, m = worker.state, worker.plan.microbatches
-    shapes = worker.plan.dag.meta["value_shapes"]
+    state, m = rank.state, rank.plan.microbatches
+    shapes = rank.plan.dag.meta.value_shapes
     values: dict[str, torch.Tensor] = {}
     for name in state.input_names:
         values[name] = state.inputs[name][0]
@@ -161,21 +166,22 @@ def _bare(worker, repeats: int) -> float:
     return best
 
 
-def _replay_step(worker, order: list[str]) -> None:
+def _replay_step(rank, order: list[str]) -> None:
     """One step of this rank's tasks in ``order`` with raw torch.distributed and bare chunks."""
-    state, plan, comm = worker.state, worker.plan, worker.comm
-    dag, deps = plan.dag, plan.ranks[worker.rank].deps
+    state, plan, comm = rank.state, rank.plan, rank.comm
+    dag, deps = plan.dag, plan.ranks[rank.rank].deps
     receiving: dict[str, tuple[list, dict[str, torch.Tensor]]] = {}
     sends, saved, values = [], {}, {}
     for key in order:
         node = dag.nodes[key]
-        if node.kind in (Kind.SEND, Kind.RECV):
+        kind = node.kind.value
+        if kind in ("SEND", "RECV"):
             other, group = comm.channel(node)
             names = sorted(v for vs in dag.data_pred[key].values() for v in vs)
-            if node.kind == Kind.SEND:
+            if kind == "SEND":
                 sends += [dist.isend(values[v].contiguous(), dst=other, group=group) for v in names]
             else:
-                out = {v: comm.specs[v.removeprefix("grad:")].empty(worker.device) for v in names}
+                out = {v: comm.specs[v.removeprefix("grad:")].empty(rank.device) for v in names}
                 receiving[key] = ([dist.irecv(t, src=other, group=group) for t in out.values()], out)
             continue
         for dep in deps[key]:
@@ -185,20 +191,20 @@ def _replay_step(worker, order: list[str]) -> None:
                     work.wait()
                 values.update(out)
         region, mb = dag.regions[node.region], node.microbatch
-        if node.kind == Kind.F:
+        if kind == "F":
             args = [values[v].detach().requires_grad_(True) if v in values else state.inputs[v][mb]
                     for v in region.inputs]
             outs = state.chunks[node.region](*args)
             saved[(node.region, mb)] = (args, outs)
             values.update((v, t.detach()) for v, t in zip(region.outputs, outs))
-        elif node.kind == Kind.B:
+        elif kind == "B":
             args, outs = saved.pop((node.region, mb))
             roots = [(v, t) for v, t in zip(region.outputs, outs) if t.requires_grad]
             torch.autograd.backward([t for _, t in roots],
                                     [values.get(f"grad:{v}", torch.ones_like(t)) for v, t in roots])
             values.update((f"grad:{v}", a.grad) for v, a in zip(region.inputs, args)
                           if isinstance(a, torch.Tensor) and a.grad is not None)
-        elif node.kind == Kind.UPDATE:
+        elif kind == "UPDATE":
             state.optimizers[node.region].step()
             state.optimizers[node.region].zero_grad(set_to_none=True)
         else:
@@ -207,21 +213,21 @@ def _replay_step(worker, order: list[str]) -> None:
         work.wait()
 
 
-def _timed(worker, warmup: int, steps: int) -> dict[str, Any]:
-    nodes = worker.plan.dag.nodes
+def _timed(rank, warmup: int, steps: int) -> dict[str, Any]:
+    nodes = rank.plan.dag.nodes
     for _ in range(warmup):
         dist.barrier()
-        worker.step()
-    order = [key for _, key, begin, _ in sorted(worker.runner.timeline, key=lambda e: e[2])]
+        rank.step()
+    order = [key for _, key, begin, _ in sorted(rank.runner.timeline, key=lambda e: e[2])]
     for _ in range(2):
         dist.barrier()
-        _replay_step(worker, order)
+        _replay_step(rank, order)
     out: dict[str, Any] = {"times": [], "handlers": [], "cpu": [], "replay": [], "replay_cpu": []}
     for i in range(2 * steps):  # Piper and the bare replay alternate, each first every other pair
         piper = (i % 2 == 0) == (i % 4 < 2)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
-        worker.step() if piper else _replay_step(worker, order)
+        rank.step() if piper else _replay_step(rank, order)
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if not piper:
             out["replay"].append(wall)
@@ -229,24 +235,23 @@ def _timed(worker, warmup: int, steps: int) -> dict[str, Any]:
             continue
         out["times"].append(wall)
         out["cpu"].append(cpu)
-        out["handlers"].append(sum(end - begin for _, key, begin, end in worker.runner.timeline
-                                   if nodes[key].kind in COMPUTE))
+        out["handlers"].append(sum(end - begin for _, key, begin, end in rank.runner.timeline
+                                   if nodes[key].is_compute))
     kinds: dict[str, int] = {}
-    for _, key, _, _ in worker.runner.timeline:
+    for _, key, _, _ in rank.runner.timeline:
         kinds[nodes[key].kind.value] = kinds.get(nodes[key].kind.value, 0) + 1
-    return {**out, "tasks": len(worker.runner.timeline), "kinds": kinds, "bare": _bare(worker, 5),
+    return {**out, "tasks": len(rank.runner.timeline), "kinds": kinds, "bare": _bare(rank, 5),
             "cpu_total": time.process_time()}
 
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     recipe, pp, per_rank = CONFIGS[name]
     job = tiny_job(recipe, pp, per_rank, args.microbatches, args.seed)
-    program, _, plan, _ = compile_job(job)
+    compiled = job.compile()
     if args.quiet_wait > 0:
         wait_for_quiet(args.quiet_wait)
     with ForeignLoad() as load:
-        per_rank_results = run_forked(job, program, plan, body=functools.partial(
-            _timed, warmup=args.warmup, steps=args.steps))
+        per_rank_results = run_piper(job, compiled, functools.partial(_timed, warmup=args.warmup, steps=args.steps))
         load.add_own(per_rank_results)
     steps = slowest_rank_times(per_rank_results)
     step, best = median(steps), min(steps)

@@ -40,9 +40,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import ForeignLoad, command_line, machine_line, markdown_table, median, write_result
-from piper_plugin.adapters.torchtitan import cpu
-from piper_plugin.adapters.torchtitan.config_registry import SCHEDULES
-from piper_plugin.adapters.torchtitan.launch import TitanRun, run_titan, titan_command
+from piper_plugin.adapters.torchtitan import SCHEDULES, TitanRun, on_cpu, run_titan, titan_command
 
 __all__ = ["main", "build_parser", "SCHEDULE_CONFIG", "rank_memory_by_step", "engines_by_step"]
 
@@ -190,7 +188,7 @@ def _summarise(stats) -> dict[str, dict]:
 
 
 def _report(args, parser, extra, stats, summary) -> str:
-    memory = ("peak RSS of the rank process (VmHWM, reset after every step)" if cpu.on_cpu()
+    memory = ("peak RSS of the rank process (VmHWM, reset after every step)" if on_cpu()
               else "CUDA max reserved memory")
     rows = []
     for schedule, s in stats.items():

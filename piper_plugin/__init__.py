@@ -12,11 +12,15 @@ nothing else from the engine.
 - directives: :class:`Schedule`; errors: :class:`DirectiveError`
 - recipes: :mod:`piper_plugin.recipes` (``recipes.load(name | file.py | trace.json)``)
 - compile: :func:`compile` / :func:`compile_program` -> :class:`Compiled` (program, schedule,
-  plan, simulation)
+  plan, simulation); its steps: :func:`build_plan` -> :class:`Plan`, :func:`simulate` ->
+  :class:`SimResult`; a run's measured timelines as a result of the same kind:
+  :func:`measured_result`, and the cost model they imply: :func:`measured_costs`
 - run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig`;
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
-  :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces
-- Piper's own launchers: :class:`Job`, :func:`run` -> :class:`RunResult`; :func:`start_ray`
+  :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces;
+  :class:`MemoryMeter` is the CPU memory meter an executor's state keeps
+- Piper's own launchers: :class:`Job`, a rank of one (:class:`Worker`), :func:`run` ->
+  :class:`RunResult`; :func:`start_ray`
 - errors a caller handles: :class:`UsageError`, :class:`CaptureError`, :class:`PlanError`,
   :class:`PlanMismatch`, :class:`WorkerFailed`
 """
@@ -25,14 +29,15 @@ from piper_plugin.api.errors import DirectiveError
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.ir.capture import CaptureError, Program, capture
 from piper_plugin.ir.graph import Region
-from piper_plugin.scheduler.plan import PlanError
-from piper_plugin.scheduler.simulate import simulate
+from piper_plugin.scheduler.plan import Plan, PlanError, build_plan
+from piper_plugin.scheduler.simulate import SimResult, simulate
 from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
 from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch
 from piper_plugin.runtime.pieces import stitch
 from piper_plugin.runtime.value_specs import ValueSpec, probe_values
 from piper_plugin.runtime.job import Job
+from piper_plugin.runtime.worker import Worker
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.launch.processes import WorkerFailed
 from piper_plugin.runtime.launch.ray_actors import start_ray
@@ -45,8 +50,9 @@ __all__ = [
     "capture", "Program", "Region",
     "Schedule", "DirectiveError",
     "recipes",
-    "compile", "compile_program", "Compiled", "simulate", "measured_result", "measured_costs",
+    "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
+    "measured_result", "measured_costs",
     "Executor", "ExecutorConfig", "ValueSpec", "probe_values", "stitch", "MemoryMeter",
-    "Job", "run", "RunResult", "start_ray",
+    "Job", "Worker", "run", "RunResult", "start_ray",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` lives at the repo root
 
 from benchmarks import cuda_check, memory_check, pipelining_ab, task_overhead  # noqa: E402
+import pytest
 
 TINY_LM = ["--dim", "32", "--layers", "4", "--heads", "4", "--ffn", "64", "--vocab", "64", "--seq", "8",
            "--batch", "8", "--microbatches", "4"]
@@ -30,6 +31,7 @@ def _table_rows(text: str) -> list[list[str]]:
     return _tables(text)[0]
 
 
+@pytest.mark.slow
 def test_pipelining_ab_smoke(tmp_path, capsys):
     out = tmp_path / "ab.md"
     summary = pipelining_ab.main(TINY_LM + ["--rounds", "1", "--warmup", "0", "--steps", "1", "--quiet-wait", "0",
@@ -55,6 +57,7 @@ def test_pipelining_ab_pairs_steps_by_alternation_cycle():
     assert pipelining_ab.cycle_ratios([5, 1, 1, 3, 1], [9, 2, 2, 2, 2], warmup=1) == [0.5, 1.0]
 
 
+@pytest.mark.slow
 def test_task_overhead_smoke(tmp_path, capsys):
     out = tmp_path / "overhead.md"
     rows = task_overhead.main(["--microbatches", "4", "--warmup", "1", "--steps", "2",
@@ -72,6 +75,7 @@ def test_task_overhead_smoke(tmp_path, capsys):
     assert rows[0]["kinds"] == {"F": 32, "B": 32, "UPDATE": 8}
 
 
+@pytest.mark.slow
 def test_memory_check_smoke(tmp_path, capsys):
     out = tmp_path / "memory.md"
     rows = memory_check.main(TINY_LM + ["--steps", "1", "--out", str(out)])
@@ -83,6 +87,7 @@ def test_memory_check_smoke(tmp_path, capsys):
         assert r["sim"] > 0 and r["measured"] > 0 and r["sim_fixed"] > 0 and r["measured_fixed"] > 0
 
 
+@pytest.mark.slow
 def test_torchtitan_ab_smoke(tmp_path, capsys):
     """One schedule, one run of the real torchtitan.train alternating the engines (~40 s)."""
     import pytest
@@ -108,6 +113,7 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
     assert 0 < s["loss"] < 20
 
 
+@pytest.mark.slow
 def test_cuda_check_smoke(tmp_path, capsys):
     """The GPU session's script, on gloo: the two-stream rank, a pipeline and ZeRO-3 against one
     device, their timelines, memory against the simulator, the overlap A/B; its exit code

@@ -146,6 +146,7 @@ def _comm_execute(cuda: FakeCuda, plan, comm: dict, step: int):
     return execute
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,pp,dp,ep,zero", [
     ("1f1b", 2, 1, 1, 0), ("interleaved-1f1b", 2, 1, 1, 0), ("zb-h1", 2, 1, 1, 0), ("dualpipev", 2, 1, 1, 0),
     ("1f1b", 2, 2, 1, 3), ("zb-h1", 1, 2, 1, 2), ("dualpipev", 2, 1, 2, 0)])

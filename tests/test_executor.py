@@ -119,7 +119,7 @@ def _run(target, *args) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")  # a test process that ran autograd must not fork
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
     for p in procs:
@@ -142,6 +142,7 @@ def test_a_host_steps_its_own_optimizer_and_evaluates(recipe):
     assert last[0]["eval"] < 1e-5
 
 
+@pytest.mark.slow
 def test_state_dict_resumes_a_rank_exactly_and_refuses_another_rank():
     results = _run(_resume_rank)
     for rank, report in results.items():

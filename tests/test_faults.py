@@ -39,12 +39,14 @@ def test_exception_in_a_chunk_names_the_rank_and_keeps_the_traceback():
     assert elapsed < 20
 
 
+@pytest.mark.slow
 def test_killed_rank_stops_the_job():
     error, elapsed = _fail("die", call=3)
     assert error.rank == 1 and "died" in str(error)
     assert elapsed < 20
 
 
+@pytest.mark.slow
 def test_stalled_rank_hits_the_timeout():
     error, elapsed = _fail("stall", call=2, timeout_s=3.0)
     assert any(w in str(error) for w in ("waited more than 3s", "Timed out waiting 3000ms", "no progress"))

@@ -7,9 +7,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # ``benchmarks`` lives at the repo root
 
 from benchmarks import memory_check  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def test_measured_transient_peak_agrees_with_the_simulator(tmp_path, capsys):

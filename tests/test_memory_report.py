@@ -10,6 +10,8 @@ from piper_plugin.recipes import apply_recipe
 from piper_plugin.compiler import compile_job
 from piper_plugin.runtime.launch.processes import run_forked
 
+pytestmark = pytest.mark.slow
+
 
 def _kept(worker) -> int:
     worker.step()

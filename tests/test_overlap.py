@@ -10,6 +10,7 @@ import functools
 import statistics
 import time
 
+import pytest
 import torch
 
 from piper_plugin.api.schedule import Schedule
@@ -18,6 +19,8 @@ from piper_plugin.compiler import compile_job
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import run_forked
 import emulated
+
+pytestmark = pytest.mark.slow
 
 
 def _schedule(one_stream, program):

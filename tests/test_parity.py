@@ -23,6 +23,7 @@ def _check_parity(recipe, pp, m, dp=1, ep=1, zero=0, moe=False, tie=False, bucke
                         pp=pp, dp=dp, ep=ep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [4, 8])
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -34,17 +35,20 @@ def test_recipe_matches_single_device(recipe, pp, m):
     _check_parity(recipe, pp, m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_data_parallel_zero_matches_single_device(recipe, zero):
     _check_parity(recipe, 2, 4, dp=2, zero=zero)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_expert_parallel_moe_matches_single_device(recipe):
     _check_parity(recipe, 2, 4, ep=2, moe=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 3])
 def test_moe_dp_times_ep_matches_single_device(zero):
     _check_parity("1f1b", 2, 4, dp=2, ep=2, zero=zero, moe=True)

@@ -127,6 +127,7 @@ FORBIDDEN = {  # the issue's rule, stated as it is: these never import those
     "piper_plugin.passes": ("piper_plugin.runtime", "piper_plugin.cli", "piper_plugin.adapters", "piper_plugin.recipes"),
     "piper_plugin.scheduler": ("piper_plugin.runtime", "piper_plugin.cli", "piper_plugin.adapters",
                                "piper_plugin.recipes"),
+    "piper_plugin.runtime": ("piper_plugin.recipes", "piper_plugin.cli", "piper_plugin.adapters"),  # invariant 4
 }
 
 

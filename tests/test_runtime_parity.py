@@ -28,11 +28,13 @@ def _check_parity(recipe, pp, dp=1, ep=1, zero=0, moe=False):
                              functools.partial(_schedule, recipe, pp, dp, ep, m, zero))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_ranks_match_single_device(recipe):
     _check_parity(recipe, pp=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,pp,dp,zero", [
     ("gpipe", 4, 1, 0), ("1f1b", 2, 2, 3), ("interleaved-1f1b", 2, 2, 1), ("zb-h1", 4, 1, 0),
     ("dualpipev", 2, 2, 2)])
@@ -40,11 +42,13 @@ def test_four_ranks_match_single_device(recipe, pp, dp, zero):
     _check_parity(recipe, pp=pp, dp=dp, zero=zero)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_with_expert_parallelism_on_four_ranks(recipe):
     _check_parity(recipe, pp=2, ep=2, moe=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_on_two_ranks(recipe):
     _check_parity(recipe, pp=2, moe=True)

@@ -114,6 +114,7 @@ def test_plan_export_lists_every_task():
     assert set(data["nodes"]) == set(plan.dag.nodes)
 
 
+@pytest.mark.slow
 def test_plan_hash_does_not_depend_on_the_process():
     """SPMD ranks compile independently; Python's per-process hash seed must not leak in."""
     import os

@@ -49,6 +49,7 @@ def _expected_idle(recipe, p):
     return (p - 1) * ((f + b) + b - 3 * w) / 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [8, 16])
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("recipe", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"])
@@ -123,6 +124,7 @@ def test_zero_levels_shrink_static_memory():
     assert params[1]["params"] == params[2]["params"] == full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,p", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 2)])
 def test_zero3_holds_one_gathered_copy_of_a_bucket(recipe, p):
     """Gathers of one bucket for several microbatches overlap (the dp stream runs ahead); the

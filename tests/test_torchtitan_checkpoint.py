@@ -15,6 +15,8 @@ pytest.importorskip("torchtitan")
 
 from titan_fork import run_titan_forked  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 CONFIG = "llama3_debugmodel_pp2_1f1b"
 FLAGS = ["--debug.seed", "42", "--training.seq_len", "32", "--training.local_batch_size", "4",
          "--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.folder", "checkpoint"]

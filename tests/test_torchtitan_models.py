@@ -29,6 +29,7 @@ def _close(a: dict, b: dict, rel: float = 1e-4) -> bool:
     return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= rel * max(abs(a[k]), 1e-12) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(SUPPORTED))
 def test_piper_matches_torch_for_3_steps(tmp_path, config):
     runs = {}

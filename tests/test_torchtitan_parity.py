@@ -17,6 +17,8 @@ pytest.importorskip("torchtitan")
 from piper_plugin.adapters.torchtitan.launch import run_titan  # noqa: E402
 from titan_fork import run_titan_forked  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SEED = ["--debug.seed", "42"]
 STEPS = 10
 

@@ -224,6 +224,7 @@ def test_data_helpers_and_losses():
     assert mse_loss(torch.ones(3), torch.zeros(3)).item() == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["toy-lm", "toy-moe"])
 def test_registry_builds_with_more_layers(name):
     with torch.device("meta"):

@@ -6,6 +6,7 @@ experiments) plus ``--piper.*`` options. With ``pipeline_engine=piper`` the mode
 ``pipelining_fn`` is swapped for Piper's (:mod:`.pipelining`); everything else of TorchTitan
 (data loader, tokenizer, optimizer, LR scheduler, grad clipping, checkpointing, metrics) stays.
 On a machine without an accelerator the trainer runs on the CPU with gloo (:mod:`.cpu`).
+TorchTitan's start-up lines that are false here are said once and true (:mod:`.titan_log`).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Literal
 from torchtitan.config import ParallelismConfig
 from torchtitan.trainer import Trainer
 
-from piper_plugin.adapters.torchtitan import cpu
+from piper_plugin.adapters.torchtitan import cpu, titan_log
 
 __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
 
@@ -31,9 +32,10 @@ class PiperParallelismConfig(ParallelismConfig):
 @dataclass(kw_only=True, slots=True)
 class PiperOptions:
     recipe: str | None = None
-    """Piper recipe overriding the one derived from pipeline_parallel_schedule: a recipe name
-    (gpipe, 1f1b, interleaved-1f1b, zb-h1, dualpipev) or a FILE (.py with ``schedule(sch, *,
-    microbatches)`` / ``RECIPE``, or a JSON directive trace)."""
+    """Piper recipe overriding the one derived from pipeline_parallel_schedule: anything
+    ``piper_plugin.recipes.load`` takes: a recipe name (gpipe, 1f1b, interleaved-1f1b, zb-h1,
+    dualpipev), a .py file defining ``recipe(sch, *, microbatches, chunks, zero)``, or a JSON
+    trace written by ``Schedule.dumps()``."""
 
     timeout_s: float = 300.0
     """A pipeline step that makes no progress for this long fails with the waiting task named."""
@@ -46,7 +48,9 @@ class PiperTrainer(Trainer):
         piper: PiperOptions = field(default_factory=PiperOptions)
 
     def __init__(self, config: "PiperTrainer.Config"):
-        if cpu.on_cpu():
+        on_cpu = cpu.on_cpu()
+        self._log_filter = titan_log.install(cpu=on_cpu)
+        if on_cpu:
             cpu.use_cpu_device()  # before Trainer.__init__: it calls set_device first thing
         engine = config.parallelism.pipeline_engine
         if engine in ("piper", "alternate") and config.model_spec is not None:
@@ -55,6 +59,14 @@ class PiperTrainer(Trainer):
             config.model_spec = dataclasses.replace(
                 config.model_spec, pipelining_fn=make_pipelining_fn(config.piper, alternate=engine == "alternate"))
         super().__init__(config)
+        titan_log.say_loss_rank(self)
+        if on_cpu:
+            titan_log.skip_mfu(self)
+
+    def init_distributed(self):
+        dims = super().init_distributed()
+        self._log_filter.fsdp_degree_1 = not (dims.fsdp_enabled or dims.dp_replicate_enabled)
+        return dims
 
 
 def to_piper_config(base: Trainer.Config) -> PiperTrainer.Config:
