@@ -27,5 +27,9 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
-    entry_points={"console_scripts": ["piper=piper_plugin.cli:main"]},
+    entry_points={
+        "console_scripts": ["piper=piper_plugin.cli:main"],
+        # host adapters' `piper` subcommands: fn(subparsers) adds one (the engine imports no adapter)
+        "piper_plugin.commands": ["launch = piper_plugin.adapters.torchtitan.ray_launch:add_launch_parser"],
+    },
 )

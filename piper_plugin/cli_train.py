@@ -12,33 +12,24 @@ measured last step as a Chrome trace and a picture next to the simulator's pictu
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import os
 import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from piper_plugin.cli import UsageError, _int_at_least, _positive, _setup, add_strategy_args
+from piper_plugin.cli_args import UsageError, add_strategy_args, int_at_least, positive_float, positive_int
 
 __all__ = ["add_train_parser", "run_train"]
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+_natural = int_at_least(0, ">= 0")
 
 
-_natural = _int_at_least(0, ">= 0")
-
-
-def add_train_parser(commands) -> argparse.ArgumentParser:
+def add_train_parser(commands, *, resolve: Callable[[argparse.Namespace], Any]) -> argparse.ArgumentParser:
+    """The ``train`` subcommand; ``resolve(args)`` turns the strategy flags into the schedule to
+    run (the function ``piper plan`` uses, so both read the flags one way)."""
     from piper_plugin.training import LAUNCHERS
 
     train = commands.add_parser(
@@ -46,11 +37,11 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
         description="Run a schedule on pp x dp x ep ranks and train the toy LM on the shipped text: "
                     "one line per step, a summary, optionally a metrics file and the measured trace.")
     add_strategy_args(train)
-    train.add_argument("--steps", type=_positive, default=20, metavar="N", help="training steps (default: 20)")
-    train.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    train.add_argument("--steps", type=positive_int, default=20, metavar="N", help="training steps (default: 20)")
+    train.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     train.add_argument("--seed", type=_natural, default=0, help="model init and data order seed (default: 0)")
-    train.add_argument("--seq", type=_positive, default=32, metavar="T", help="sequence length (default: 32)")
-    train.add_argument("--nproc", type=_positive, metavar="N",
+    train.add_argument("--seq", type=positive_int, default=32, metavar="T", help="sequence length (default: 32)")
+    train.add_argument("--nproc", type=positive_int, metavar="N",
                        help="number of ranks; must equal pp x dp x ep (a check, it sets nothing)")
     train.add_argument("--launcher", choices=LAUNCHERS, default="ray",
                        help="ray: one actor per rank (default); fork: local processes; "
@@ -61,7 +52,7 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cpu: gloo between ranks; cuda: one GPU per rank (LOCAL_RANK), NCCL, one CUDA "
                             "stream per logical stream (default: cpu)")
-    train.add_argument("--timeout", type=_positive_float, default=60.0, metavar="S",
+    train.add_argument("--timeout", type=positive_float, default=60.0, metavar="S",
                        help="seconds without progress before the job is stopped (default: 60)")
     train.add_argument("--metrics", type=Path, metavar="FILE.jsonl",
                        help="write one JSON object per step and rank (step from 0, rank, loss on the "
@@ -70,7 +61,7 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     train.add_argument("--trace", type=Path, metavar="DIR",
                        help="write DIR/trace.json (measured last step, Chrome/Perfetto), DIR/timeline.png "
                             "(measured) and DIR/simulated.png")
-    train.set_defaults(run=run_train)
+    train.set_defaults(run=functools.partial(run_train, resolve=resolve))
     return train
 
 
@@ -99,8 +90,6 @@ def _check(args: argparse.Namespace, setup) -> int:
         if have < needed:
             raise UsageError(f"--device cuda needs one GPU per rank: {needed} rank(s) here but {have} GPU(s); "
                              "use --device cpu, or --address of a Ray cluster with GPUs")
-    if args.address:
-        _reachable(args.address)
     from piper_plugin.data.text import token_stream
 
     if args.seq >= len(token_stream()):
@@ -108,28 +97,12 @@ def _check(args: argparse.Namespace, setup) -> int:
     return world
 
 
-def _reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds on a wrong HOST:PORT (ray.init would retry for minutes)."""
-    import re
-    import socket
-
-    match = re.fullmatch(r"(?:ray://)?\[?([^\[\]]+?)\]?:(\d+)", address)
-    if not match:  # "auto" and other forms: leave them to Ray
-        return
-    host, port = match.group(1), int(match.group(2))
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as exc:
-        raise UsageError(f"--address {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); start one "
-                         f"with `RAY_AUTH_MODE=disabled ray start --head` and pass the address it prints") from None
-
-
-def run_train(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], Any]) -> int:
     from piper_plugin.scheduler.simulate import simulate
     from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
 
-    setup = _setup(args)
+    setup = resolve(args)
     world = _check(args, setup)
     batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
     layers = max(setup.stages, 2)
@@ -138,8 +111,6 @@ def run_train(args: argparse.Namespace) -> int:
     spmd = args.launcher == "spmd"
     leader = not spmd or int(os.environ.get("RANK", "0")) == 0
     say = print if leader else (lambda *a, **k: None)
-    if args.launcher == "ray":
-        os.environ.setdefault("RAY_LOGGER_LEVEL", "warning")  # no "Started a local Ray instance" line
 
     previous_term = _term_as_interrupt()
     metrics_file = None
@@ -175,7 +146,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(line)
     plan, simulated = result.plan, result.simulated
     if plan is None:  # spmd: every rank compiled its own; compile the same plan here for the report
-        from piper_plugin.runtime.job import compile_job
+        from piper_plugin.compiler import compile_job
 
         _, _, plan, simulated = compile_job(job)
     measured = measured_result(plan, timelines)

@@ -158,7 +158,7 @@ def write_trace(directory: Path, plan, measured: SimResult, simulated: SimResult
     paths = [directory / "trace.json", directory / "timeline.png", directory / "simulated.png"]
     paths[0].write_text(json.dumps(trace))
     head = f"{name}: pp={g.pp} dp={g.dp} ep={g.ep}, m={plan.microbatches}"
-    export.timeline_png(plan, _split_p2p_rows(plan, measured), paths[1], time_label="time (s)",
+    export.timeline_png(plan, _split_p2p_rows(plan, measured), paths[1], time_label="time (ms)", time_scale=1e3,
                         title=f"measured last step, {head}: {measured.step_time * 1e3:.1f} ms, "
                               f"bubble {measured.bubble_fraction:.1%}")
     export.timeline_png(plan, simulated, paths[2], time_label="time (F = 1)",

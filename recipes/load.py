@@ -53,8 +53,8 @@ class Recipe:
         for key, traced in self.fixed.items():
             value = given.get(key)
             if value is not None and value != traced:
-                raise RecipeError(f"{key}={value} conflicts with the trace {self.name!r} ({key}={traced}); "
-                                  f"drop it or re-record the trace")
+                raise RecipeError(f"{key} {value} conflicts with the trace {self.name!r} ({key}={traced}); "
+                                  f"drop {key} or re-record the trace")
             out[key] = traced
         return out
 
@@ -72,6 +72,8 @@ def load(spec: str | Path) -> Recipe:
         return _builtin(text)
     path = Path(text)
     if not path.is_file():
+        if path.suffix in (".py", ".json") or len(path.parts) > 1:
+            raise RecipeError(f"recipe file {text!r} does not exist")
         raise RecipeError(f"recipe {text!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor an existing file")
     if path.suffix == ".json":
         return _trace(path)

@@ -171,7 +171,7 @@ def test_bad_input_is_one_line_error(capsys, tmp_path, argv, reason):
     files = _bad_files(tmp_path)
     argv = [str(files.get(a, tmp_path / a)) if a.endswith((".py", ".json")) else a for a in argv]
     code, out, err = run(capsys, *argv)
-    assert code != 0
+    assert code == 2  # EXIT_USAGE: every user error, flag or recipe or file
     assert out == ""
     assert "Traceback" not in err
     lines = err.splitlines()
@@ -180,11 +180,32 @@ def test_bad_input_is_one_line_error(capsys, tmp_path, argv, reason):
 
 
 def test_unknown_command_is_one_line_error(capsys):
-    assert main(["frobnicate"]) != 0
+    assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("piper: error: ") and "'plan'" in err[0]
 
 
+def test_host_commands_come_from_entry_points_not_imports(capsys):
+    """`piper launch` is the TorchTitan adapter's, registered through piper_plugin.commands;
+    no module of the engine's CLI imports an adapter."""
+    import ast
+    from importlib.metadata import entry_points
+
+    import piper_plugin.cli as cli
+
+    points = {p.name: p.value for p in entry_points(group=cli.COMMANDS_GROUP)}
+    assert points.get("launch") == "piper_plugin.adapters.torchtitan.ray_launch:add_launch_parser"
+    assert main(["--help"]) == 0
+    assert re.search(r"^\s+launch\s+run TorchTitan's trainer", capsys.readouterr().out, re.M)
+    for name in ("cli", "cli_train", "cli_args"):
+        tree = ast.parse((Path(cli.__file__).parent / f"{name}.py").read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in imported if m and ".adapters" in m], (name, imported)
+        assert "piper_plugin.cli" not in imported, (name, imported)  # cli imports cli_train, not back
+
+
+@pytest.mark.slow
 def test_console_script():
     exe = Path(sys.executable).with_name("piper")
     exe = str(exe) if exe.exists() else shutil.which("piper")
@@ -195,3 +216,19 @@ def test_console_script():
     assert proc.returncode == 0, proc.stderr
     assert "bubble     27.3%   textbook (p-1)/(m+p-1) = 3/11 = 27.3%" in proc.stdout
     assert "rank 3" in proc.stdout
+
+
+def test_a_trace_fixes_its_flags_and_a_contradicting_flag_is_named(capsys, tmp_path):
+    """``--recipe-file trace.json`` goes through ``recipes.load``: the trace's grid and
+    microbatches hold; a flag that contradicts them is a one-line error naming both values."""
+    with torch.device("meta"):
+        model, cfg = build_toy_lm(stages=2, layers=2)
+    tokens, targets = lm_batch(cfg, 8)
+    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=2)
+    apply_recipe(sch, "1f1b", microbatches=4)
+    path = tmp_path / "t.json"
+    path.write_text(sch.dumps())
+    code, out, err = run(capsys, "--recipe-file", str(path), "--microbatches", "4")
+    assert code == 0 and "4 microbatches" in out
+    code, out, err = run(capsys, "--recipe-file", str(path), "--pp", "4")
+    assert code == 2 and "pp 4 conflicts with the trace 't.json' (pp=2)" in err

@@ -104,3 +104,23 @@ def test_timeline_png_is_written(zero3, tmp_path):
     path = timeline_png(plan, result, tmp_path / "t.png", title="zb-h1 test")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_picture_kinds_stay_apart_and_boxes_carry_full_keys():
+    """Every compute fill (kind x first/later chunk) is far from every other (DualPipeV draws all
+    ten); a box shows its full key where it fits, else its microbatch, else nothing."""
+    from itertools import combinations
+
+    from piper_plugin.ir.nodes import Kind
+    from piper_plugin.scheduler.export import _CHUNK_LIGHTER, KIND_COLORS, _lighter, box_label
+
+    def rgb(color):
+        return [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+
+    fills = [_lighter(KIND_COLORS[k], _CHUNK_LIGHTER * c)
+             for k in (Kind.F, Kind.B, Kind.BI, Kind.BW, Kind.UPDATE) for c in (0, 1)]
+    for a, b in combinations(fills, 2):
+        assert sum((x - y) ** 2 for x, y in zip(rgb(a), rgb(b))) ** 0.5 > 60, (a, b)
+    assert box_label("1.1BI3", 3, width_px=60, char_px=5) == "1.1BI3"
+    assert box_label("1.1BI3", 3, width_px=20, char_px=5) == "3"
+    assert box_label("1.1BI3", 3, width_px=5, char_px=5) == ""

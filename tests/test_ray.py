@@ -10,11 +10,14 @@ import torch
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_loss
 from piper_plugin.recipes import apply_recipe
-from piper_plugin.runtime.job import Job, compile_job
+from piper_plugin.compiler import compile_job
+from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import WorkerFailed
 from piper_plugin.runtime.launch.ray_actors import run_ray
 from parity import lm_data
 import faulty
+
+pytestmark = pytest.mark.slow
 
 CFG = ToyLMConfig(n_layers=2)
 

@@ -5,23 +5,34 @@ Every stock TorchTitan config function is reachable here by its own name (``llam
 ``--parallelism.pipeline_engine`` and ``--piper.*`` parse), with the CPU fixes applied when there
 is no accelerator. Drop-in configs set the pipeline for a quick start: ``<stock>_pp2_<schedule>``
 (schedule gpipe, 1f1b, interleaved or dualpipev) for any stock config without tied embeddings.
+
+Invariant: every public callable of this module is a config function (TorchTitan lists them
+when ``--config`` names none); helpers are private, and importing this module imports no
+TorchTitan (:mod:`.config_names` checks a name before any rank starts).
 """
 from __future__ import annotations
 
 import importlib
-import re
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from piper_plugin.adapters.torchtitan.trainer import PiperTrainer, to_piper_config
+from piper_plugin.adapters.torchtitan.config_names import DROP_IN as _DROP_IN
+from piper_plugin.adapters.torchtitan.config_names import MODELS as _MODELS
+from piper_plugin.adapters.torchtitan.config_names import SCHEDULES
 
-__all__ = ["stock_config_fn", "SCHEDULES", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
+if TYPE_CHECKING:
+    from piper_plugin.adapters.torchtitan.trainer import PiperTrainer
+
+__all__ = ["SCHEDULES", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
            "llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev", "deepseek_v3_debugmodel_pp2_1f1b"]
 
-# The model packages searched for stock config functions, in this order.
-_MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
+
+def _to_piper_config(stock_config: object) -> "PiperTrainer.Config":
+    from piper_plugin.adapters.torchtitan.trainer import to_piper_config
+
+    return to_piper_config(stock_config)
 
 
-def stock_config_fn(name: str) -> Callable[[], object]:
+def _stock_config_fn(name: str) -> Callable[[], object]:
     """The stock TorchTitan config function ``name`` (searched in every model's config_registry)."""
     likely = [m for m in _MODELS if name.startswith(m.split("_")[0])]  # qwen35_* lives in qwen3_5
     failed: dict[str, str] = {}
@@ -40,10 +51,10 @@ def stock_config_fn(name: str) -> Callable[[], object]:
 
 
 def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
-    stock = stock_config_fn(name)
+    stock = _stock_config_fn(name)
 
     def config_fn() -> PiperTrainer.Config:
-        return to_piper_config(stock())
+        return _to_piper_config(stock())
 
     config_fn.__name__ = config_fn.__qualname__ = name
     config_fn.__doc__ = f"TorchTitan's {name}, runnable with --parallelism.pipeline_engine piper."
@@ -59,13 +70,8 @@ def __getattr__(name: str):
     return fn
 
 
-# ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
-_DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
-
-
 def _drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
-    stock_config_fn(base)  # fail now, naming the missing stock config
+    _stock_config_fn(base)  # fail now, naming the missing stock config
 
     def config_fn() -> PiperTrainer.Config:
         return _pp2(base, SCHEDULES[schedule])
@@ -76,7 +82,7 @@ def _drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.C
 
 
 def _pp2(base: str, schedule: str, engine: str = "piper", **training) -> PiperTrainer.Config:
-    config = to_piper_config(stock_config_fn(base)())
+    config = _to_piper_config(_stock_config_fn(base)())
     if getattr(config.model_spec.model, "enable_weight_tying", False):
         raise ValueError(f"{base} ties tok_embeddings and lm_head (enable_weight_tying), which TorchTitan rejects "
                          f"under pipeline parallelism for either engine; use an untied config (e.g. the model's "

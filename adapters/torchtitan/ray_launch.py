@@ -5,6 +5,8 @@
 
 Invariants:
 
+* the command line (``--nproc``, the engine, the ``--config`` name for Piper's module) is checked
+  before Ray or any actor starts; an unknown config name lists the ones that exist;
 * every actor runs ``torchtitan.train.main()`` in-process with ``sys.argv`` = the arguments after
   ``--`` (plus ``--module piper_plugin.adapters.torchtitan`` unless one is given), the
   torch.distributed env torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -30,7 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from piper_plugin.cli import UsageError, _Parser
+from piper_plugin import UsageError, WorkerFailed, start_ray
+from piper_plugin.adapters.torchtitan import config_names
 from piper_plugin.adapters.torchtitan.launch import train_main
 
 __all__ = ["add_launch_parser", "run_launch", "launch", "titan_argv", "TitanRank", "PIPER_MODULE"]
@@ -53,20 +56,31 @@ def _nproc(text: str) -> int:
     return value
 
 
-def add_launch_parser(commands) -> argparse.ArgumentParser:
-    from piper_plugin.cli_train import _positive_float
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
+
+def add_launch_parser(commands) -> argparse.ArgumentParser:
+    """The ``piper launch`` subcommand (registered through the ``piper_plugin.commands`` entry point)."""
     launch_parser = commands.add_parser(
         "launch", help="run TorchTitan's trainer (torchtitan.train) on N Ray actors, one per rank",
         description="Run torchtitan.train on N Ray actors (a quiet local Ray, or --address). Everything "
                     f"after -- goes to TorchTitan unchanged; --module {PIPER_MODULE} is added unless given. "
+                    "Each rank's output reaches this terminal prefixed (rank R); TorchTitan writes its logs, "
+                    "checkpoints and traces to --dump_folder, ./outputs of this directory unless given. "
                     f"Example: {_EXAMPLE}")
     launch_parser.__class__ = _LaunchParser  # extras mean TorchTitan flags given without "--"
     launch_parser.add_argument("--nproc", type=_nproc, metavar="N", help="number of ranks (Ray actors); required")
     launch_parser.add_argument("--address", metavar="HOST:PORT",
                                help="join an existing Ray cluster (started with RAY_AUTH_MODE=disabled ray start "
                                     "--head) instead of starting a local one")
-    launch_parser.add_argument("--timeout", type=_positive_float, default=600.0, metavar="S",
+    launch_parser.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                                help="stop the job when no rank prints a line for S seconds (default: 600)")
     launch_parser.add_argument("titan_args", nargs=argparse.REMAINDER, metavar="-- TORCHTITAN_ARGS",
                                help="the arguments of python -m torchtitan.train")
@@ -74,7 +88,12 @@ def add_launch_parser(commands) -> argparse.ArgumentParser:
     return launch_parser
 
 
-class _LaunchParser(_Parser):
+class _LaunchParser(argparse.ArgumentParser):
+    """Errors raise UsageError (one ``piper: error:`` line); leftovers are TorchTitan flags without --."""
+
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
@@ -124,9 +143,14 @@ def titan_argv(titan_args: Sequence[str]) -> list[str]:
     module = _flag_value(args, "--module")
     if module is None:
         args = ["--module", PIPER_MODULE, *args]
-    if _flag_value(args, "--config") is None:
+    config = _flag_value(args, "--config")
+    if config is None:
         raise UsageError("--config is missing after --: name a config function, e.g. -- --config "
-                     "llama3_debugmodel_pp2_1f1b")
+                         "llama3_debugmodel_pp2_1f1b")
+    if module in (None, PIPER_MODULE):
+        problem = config_names.unknown(config)
+        if problem:
+            raise UsageError(f"--config {config!r}: {problem}")
     engine = _flag_value(args, "--parallelism.pipeline_engine", "--parallelism.pipeline-engine")
     choices = _engine_choices() if module in (None, PIPER_MODULE) else ()
     if engine is not None and choices and engine not in choices:
@@ -138,10 +162,6 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.nproc is None:
         raise UsageError(f"--nproc is missing: pass the number of ranks, e.g. {_EXAMPLE}")
     argv = titan_argv(args.titan_args)
-    if args.address:
-        from piper_plugin.cli_train import _reachable
-
-        _reachable(args.address)
     launch(args.nproc, argv, address=args.address, timeout_s=args.timeout)
     return 0
 
@@ -237,12 +257,6 @@ class TitanRank:
 
 
 # -- the driver ----------------------------------------------------------------------------------
-def _failure(rank: int | None, reason: str, details: str = "") -> Exception:
-    from piper_plugin.runtime.launch.processes import WorkerFailed
-
-    return WorkerFailed(rank, reason, details)
-
-
 def _layout(places: list[tuple[str, str, int]]) -> tuple[list[int], dict[int, dict[str, str]]]:
     """Actor order by rank (ranks of one node contiguous, nodes in order of first appearance) and
     each rank's torch.distributed env."""
@@ -304,8 +318,6 @@ def launch(nproc: int, argv: Sequence[str], *, address: str | None = None, timeo
     """Run ``torchtitan.train`` with ``argv`` on ``nproc`` Ray actors of ``rank_cls`` (a TitanRank
     subclass may replace ``run``); raises WorkerFailed. ``timeout_s`` bounds every silence of all
     ranks, ``start_timeout_s`` (default ``timeout_s``) the actors' placement and start."""
-    from piper_plugin.runtime.launch.ray_actors import start_ray
-
     out = out or sys.stdout
     owned = start_ray(address, num_cpus=max(2, os.cpu_count() or 2))
     import ray
@@ -318,12 +330,12 @@ def launch(nproc: int, argv: Sequence[str], *, address: str | None = None, timeo
         start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
         done, _ = ray.wait(refs, num_returns=nproc, timeout=start_timeout_s)
         if len(done) < nproc:
-            raise _failure(None, f"only {len(done)} of {nproc} actors started within {start_timeout_s:.0f}s "
-                                 f"(--timeout); the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs")
+            raise WorkerFailed(None, f"only {len(done)} of {nproc} actors started within {start_timeout_s:.0f}s "
+                                     f"(--timeout); the cluster has {ray.cluster_resources().get('CPU', 0):g} CPUs")
         try:
             places = ray.get(refs)
         except ray.exceptions.RayError as exc:
-            raise _failure(None, f"an actor failed to start: {str(exc).strip().splitlines()[0]}") from None
+            raise WorkerFailed(None, f"an actor failed to start: {str(exc).strip().splitlines()[0]}") from None
         order, envs = _layout(places)
         actors = [actors[i] for i in order]  # index = rank
         cwd = os.getcwd()
@@ -359,9 +371,9 @@ def _wait(runs: dict, forward: _Forwarder, timeout_s: float) -> None:
         if failures and (not runs or now - failed_at > _GRACE_S):
             break
         if runs and not failures and now - forward.last_line > timeout_s:
-            raise _failure(min(runs.values()), f"no output from any rank for {timeout_s:.0f}s (--timeout); ranks "
-                                               f"{sorted(runs.values())} still running")
+            raise WorkerFailed(min(runs.values()), f"no output from any rank for {timeout_s:.0f}s (--timeout); "
+                                                   f"ranks {sorted(runs.values())} still running")
     forward.flush()  # the last lines (a failed rank's own error output among them)
     if failures:
         _, rank, error, details = min(failures)
-        raise _failure(rank, error, details)
+        raise WorkerFailed(rank, error, details)

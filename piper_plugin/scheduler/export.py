@@ -13,15 +13,16 @@ from piper_plugin.ir.nodes import Kind
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.simulate import SimResult
 
-__all__ = ["plan_grid_text", "chrome_trace", "timeline_png", "KIND_COLORS"]
+__all__ = ["plan_grid_text", "chrome_trace", "timeline_png", "box_label", "KIND_COLORS"]
 
+# One hue per kind (matplotlib's tab10 / tab20), so kinds stay apart whatever the schedule; a
+# rank's later chunk is a lighter shade of its kind's hue (_CHUNK_LIGHTER), never another kind's.
 KIND_COLORS: dict[Kind, str] = {
-    Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.BI: "#9ED89E", Kind.BW: "#2E7D32",
-    Kind.UPDATE: "#8172B2", Kind.SEND: "#DD8452", Kind.RECV: "#F3C29E",
-    Kind.ALL_REDUCE: "#C44E52", Kind.ALL_GATHER: "#DA8BC3", Kind.REDUCE_SCATTER: "#937860",
-    Kind.ALL_TO_ALL: "#CCB974",
+    Kind.F: "#1f77b4", Kind.B: "#2ca02c", Kind.BI: "#ff7f0e", Kind.BW: "#9467bd", Kind.UPDATE: "#8c564b",
+    Kind.SEND: "#17becf", Kind.RECV: "#9edae5", Kind.ALL_REDUCE: "#d62728", Kind.ALL_GATHER: "#e377c2",
+    Kind.REDUCE_SCATTER: "#bcbd22", Kind.ALL_TO_ALL: "#7f7f7f",
 }
-_DARK = {Kind.F, Kind.B, Kind.BW, Kind.UPDATE, Kind.ALL_REDUCE, Kind.REDUCE_SCATTER}
+_CHUNK_LIGHTER = 0.45
 _MAX_TIME_ROWS = 400
 _EPS = 1e-6
 
@@ -140,6 +141,22 @@ def _lighter(color: str, amount: float) -> str:
     return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
 
 
+def _text_color(color: str) -> str:
+    """The label colour with the higher contrast on ``color``: black or white (WCAG luminance)."""
+    srgb = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in srgb)
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.179 else "white"
+
+
+def box_label(key: str, microbatch: int | None, width_px: float, char_px: float) -> str:
+    """What a compute box shows: its full node key (``0F0``, ``1.1BI3``) where it fits, else
+    its microbatch, else nothing."""
+    for text in (key, "" if microbatch is None else str(microbatch)):
+        if text and len(text) * char_px < width_px - 2:
+            return text
+    return ""
+
+
 def _picture_groups(plan: Plan, result: SimResult) -> list[list[int]]:
     """Ranks drawn as one row: consecutive replicas whose whole timeline is identical."""
     per_rank: list[list[tuple]] = [[] for _ in range(plan.grid.world_size)]
@@ -155,18 +172,20 @@ def _picture_groups(plan: Plan, result: SimResult) -> list[list[int]]:
 
 
 def timeline_png(plan: Plan, result: SimResult, path: str | Path, *, title: str | None = None,
-                 time_label: str = "time", dpi: int = 100) -> Path:
+                 time_label: str = "time", time_scale: float = 1.0, dpi: int = 100) -> Path:
     """Gantt chart of the simulated step: a row per rank, a thinner sub-row per comm stream.
 
     Replicas with identical timelines share a row ("ranks 0-1"); all P2P directions of a
-    rank share one ``p2p`` sub-row. Bars are coloured by node kind, a lighter shade for a
-    rank's later chunks (interleaved, DualPipeV); compute bars carry their node key, or their
-    microbatch when keys do not fit. Uses Agg without pyplot (no global matplotlib state).
+    rank share one ``p2p`` sub-row. Bars are coloured by node kind (:data:`KIND_COLORS`), a
+    lighter shade of it for a rank's later chunks (interleaved, DualPipeV); each compute bar
+    carries :func:`box_label`. The time axis shows ``result``'s times x ``time_scale`` (1e3:
+    seconds drawn as milliseconds). Uses Agg without pyplot (no global matplotlib state).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PatchCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     groups = _picture_groups(plan, result)
     lead = {g[0]: g for g in groups}
@@ -190,19 +209,18 @@ def timeline_png(plan: Plan, result: SimResult, path: str | Path, *, title: str 
             y += height
         separators.append(y + 0.1)
         y += 0.2
-    step = result.step_time or 1.0
-    compute = [(r, k, s, e) for r, _, k, s, e in result.timeline if r in lead and plan.node(k).is_compute]
+    step = (result.step_time or 1.0) * time_scale
+    timeline = [(r, stream, key, s * time_scale, e * time_scale) for r, stream, key, s, e in result.timeline]
+    compute = [(r, k, s, e) for r, _, k, s, e in timeline if r in lead and plan.node(k).is_compute]
     shortest = min([e - s for _, _, s, e in compute if e - s > _EPS] or [step])
     fig_w = min(max(12.0, 5.0 * step / shortest / 25), 24.0)
     fig = Figure(figsize=(fig_w, 1.4 + 0.42 * y), dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     char_px = 6.5 * dpi / 72 * 0.62  # width of one label character
-    room = shortest * fig_w * dpi * 0.85 / step
-    longest_key = max([len(k) for _, k, s, e in compute if e - s > _EPS] or [0])
-    use_key = longest_key * char_px < room - 2
+    px_per_time = fig_w * dpi * 0.85 / (step * 1.01)
     bars: dict[tuple[Kind, int], list[Rectangle]] = {}
-    for r, stream, key, start, end in result.timeline:
+    for r, stream, key, start, end in timeline:
         if r not in lead:
             continue
         node, name = plan.node(key), _row_name(stream)
@@ -211,12 +229,12 @@ def timeline_png(plan: Plan, result: SimResult, path: str | Path, *, title: str 
         chunk = sorted(stages[r]).index(node.stage) if node.is_compute and node.stage in stages[r] else 0
         bars.setdefault((node.kind, min(chunk, 1)), []).append(
             Rectangle((start, yc - height / 2), max(end - start, step * 0.004), height))
-        text = key if use_key else ("" if node.microbatch is None else str(node.microbatch))
-        if node.is_compute and text and len(text) * char_px < (end - start) * room / shortest - 2:
+        text = box_label(key, node.microbatch, (end - start) * px_per_time, char_px) if node.is_compute else ""
+        if text:
             ax.text((start + end) / 2, yc, text, ha="center", va="center", fontsize=6.5,
-                    color="white" if node.kind in _DARK and not chunk else "black")
+                    color=_text_color(_lighter(KIND_COLORS[node.kind], _CHUNK_LIGHTER * min(chunk, 1))))
     for (kind, chunk), rects in bars.items():
-        color = _lighter(KIND_COLORS[kind], 0.45 * chunk)
+        color = _lighter(KIND_COLORS[kind], _CHUNK_LIGHTER * chunk)
         ax.add_collection(PatchCollection(rects, facecolor=color, edgecolor="white", linewidth=0.4),
                           autolim=False)
     for s in separators[:-1]:
@@ -224,6 +242,7 @@ def timeline_png(plan: Plan, result: SimResult, path: str | Path, *, title: str 
     ax.set_xlim(0, step * 1.01)
     ax.set_ylim(y, 0)
     ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=16, steps=[1, 2, 5, 10]))
     ax.set_xlabel(time_label)
     ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
     ax.set_axisbelow(True)
@@ -232,7 +251,8 @@ def timeline_png(plan: Plan, result: SimResult, path: str | Path, *, title: str 
         title = (f"pp={g.pp} dp={g.dp} ep={g.ep}, {plan.microbatches} microbatches: "
                  f"step {result.step_time:g}, bubble {result.bubble_fraction:.1%}")
     ax.set_title(title, fontsize=11)
-    handles = [Patch(color=_lighter(KIND_COLORS[k], 0.45 * c), label=k.value + (" (later chunk)" if c else ""))
+    handles = [Patch(color=_lighter(KIND_COLORS[k], _CHUNK_LIGHTER * c),
+                     label=k.value + (" (later chunk)" if c else ""))
                for k in Kind for c in (0, 1) if (k, c) in bars]
     fig.legend(handles=handles, ncol=min(len(handles), 8), loc="outside lower center", fontsize=8, frameon=False)
     path = Path(path)

@@ -22,14 +22,27 @@ from piper_plugin.runtime.launch.processes import SECONDARY_ERRORS, WorkerFailed
 __all__ = ["run_ray", "start_ray"]
 
 
-def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = None) -> bool:
-    """Start a quiet local Ray (True) or connect to ``address`` (False: not ours to stop).
+# Ray's own processes compete with the ranks for the cores (a 2-core machine has no spare):
+# nothing Piper does not read is started, collected or reported.
+_LEAN_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_IMPORT_WARNING": "1", "RAY_AUTH_MODE": "disabled",
+             "RAY_LOGGER_LEVEL": "warning"}  # read when ray is first imported: no "Started a local Ray" line
+_LEAN_SYSTEM_CONFIG = {"enable_metrics_collection": False, "enable_timeline": False, "event_stats": False,
+                       "task_events_report_interval_ms": 0}
 
-    ``runtime_env`` (Ray's own option) lets actors import the caller's modules, e.g.
+
+def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = None) -> bool:
+    """Start a lean local Ray (True) or connect to ``address`` (False: not ours to stop).
+
+    Lean and quiet: no dashboard, usage stats, metrics, timeline or task events, no INFO lines
+    (when ray is first imported here). ``address`` HOST:PORT where nothing answers fails in seconds with
+    :class:`ConnectionError` (ray.init would retry for minutes). ``runtime_env`` (Ray's own
+    option) lets actors import the caller's modules, e.g.
     ``{"env_vars": {"PYTHONPATH": "/path/to/my/code"}}``.
     """
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for key, value in _LEAN_ENV.items():
+        os.environ.setdefault(key, value)
+    if address:
+        _check_reachable(address)
     import ray
 
     if ray.is_initialized():
@@ -39,9 +52,26 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
         return False
     temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 2**20, _temp_dir=temp_dir, runtime_env=runtime_env)
+             object_store_memory=256 * 2**20, _temp_dir=temp_dir, runtime_env=runtime_env,
+             _system_config=_LEAN_SYSTEM_CONFIG)
     atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    import re
+    import socket
+
+    match = re.fullmatch(r"(?:ray://)?\[?([^\[\]]+?)\]?:(\d+)", address)
+    if not match:  # "auto" and other forms: left to Ray
+        return
+    host, port = match.group(1), int(match.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"Ray address {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); "
+                              "start one with `RAY_AUTH_MODE=disabled ray start --head` and pass the address it "
+                              "prints") from None
 
 
 class RankActor:
@@ -146,11 +176,28 @@ def _statuses(actors: list, ranks: list[int], timeout_s: float = 2.0) -> str:
     return "; ".join(lines)
 
 
-def run_ray(job: Job, program, plan, *, address: str | None = None,
-            on_metrics: Callable[[dict], None] | None = None) -> dict[int, Any]:
+def _started(actors: list, timeout_s: float = 120.0) -> None:
+    """Every actor's process is up (spawning one imports torch: seconds on a busy machine, not
+    part of ``job.timeout_s``, which bounds a step's progress); else :class:`WorkerFailed`."""
     import ray
 
+    refs = [a.status.remote() for a in actors]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if len(done) < len(refs):
+        cpus = ray.cluster_resources().get("CPU", 0)
+        raise WorkerFailed(None, f"only {len(done)} of {len(refs)} rank actors started within {timeout_s:.0f}s; "
+                                 f"the Ray cluster has {cpus:g} CPUs")
+    try:
+        ray.get(done)
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerFailed(None, f"a rank actor failed to start: {str(exc).splitlines()[0]}") from None
+
+
+def run_ray(job: Job, program, plan, *, address: str | None = None,
+            on_metrics: Callable[[dict], None] | None = None) -> dict[int, Any]:
     owned = start_ray(address, num_cpus=max(2, os.cpu_count() or 2))
+    import ray
+
     local = address is None
     world = plan.grid.world_size
     gpus = 1 if job.device == "cuda" else 0  # Ray sets CUDA_VISIBLE_DEVICES: each actor sees its own GPU
@@ -158,7 +205,8 @@ def run_ray(job: Job, program, plan, *, address: str | None = None,
     actors = [cls.remote() for _ in range(world)]
     ranks = list(range(world))
     try:
-        host, port = ray.get(actors[0].endpoint.remote(local), timeout=job.timeout_s)
+        _started(actors)
+        host, port = ray.get(actors[0].endpoint.remote(local))
         setup = [a.setup.remote(r, job, program, plan, f"tcp://{host}:{port}", local) for r, a in enumerate(actors)]
         _wait(setup, ranks, job, actors)
         for _ in range(job.steps):

@@ -1,0 +1,70 @@
+"""The ``--config`` names of ``--module piper_plugin.adapters.torchtitan``, known without importing TorchTitan.
+
+Stock config functions are read from the source of each model's ``config_registry.py`` (its
+top-level public functions annotated to return a ``...Config``), so a launcher checks a name
+in milliseconds before any rank starts (importing TorchTitan takes ~10 s). Piper's drop-ins
+are ``<stock>_pp2_<schedule>``. Invariant: every name :func:`unknown` accepts resolves in
+:mod:`.config_registry` (which imports the stock function); a stock model that does not import
+on this machine is accepted here and named with its import error there.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import importlib.util
+import re
+from pathlib import Path
+
+__all__ = ["MODELS", "SCHEDULES", "DROP_IN", "stock_configs", "unknown"]
+
+# The model packages searched for stock config functions, in this order.
+MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
+# ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
+DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
+
+
+@functools.lru_cache(maxsize=1)
+def stock_configs() -> dict[str, tuple[str, ...]]:
+    """Model package -> its stock config function names, in source order; empty when
+    TorchTitan's source is not found (then nothing can be checked here)."""
+    spec = importlib.util.find_spec("torchtitan")  # a top-level name: finds without importing
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    root = Path(next(iter(spec.submodule_search_locations))) / "models"
+    found = {}
+    for model in MODELS:
+        try:
+            tree = ast.parse((root / model / "config_registry.py").read_text())
+        except (OSError, SyntaxError):
+            continue
+        names = tuple(node.name for node in tree.body
+                      if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+                      and node.returns is not None and ast.unparse(node.returns).endswith("Config"))
+        if names:
+            found[model] = names
+    return found
+
+
+def unknown(name: str) -> str:
+    """Why ``--config name`` does not exist, listing what does; "" when it does (or when
+    TorchTitan's source cannot be read here: TorchTitan then checks it)."""
+    stock = stock_configs()
+    every = [n for names in stock.values() for n in names]
+    if not stock or name in every:
+        return ""
+    drop_in = DROP_IN.fullmatch(name)
+    if drop_in and drop_in[1] in every:
+        return ""
+    if drop_in:
+        head = f"the drop-in needs a stock config named {drop_in[1]!r}, and there is none"
+        close = difflib.get_close_matches(drop_in[1], every, n=3)
+    else:
+        head = "not a config function of piper_plugin.adapters.torchtitan"
+        close = difflib.get_close_matches(name, every + [f"{n}_pp2_1f1b" for n in every], n=3)
+    suggestion = f" (did you mean {' or '.join(close)}?)" if close else ""
+    listing = "; ".join(f"{model}: {', '.join(names)}" for model, names in stock.items())
+    return (f"{head}{suggestion}. Stock TorchTitan configs, by model: {listing}. Piper drop-ins: "
+            f"<stock>_pp2_<schedule> with schedule {', '.join(SCHEDULES)} (2 pipeline ranks run by Piper; "
+            f"stock configs without tied embeddings), e.g. llama3_debugmodel_pp2_1f1b, deepseek_v3_debugmodel_pp2_1f1b")
