@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
-from piper_plugin.cli_args import ArgumentParser, UsageError, add_strategy_args
+from piper_plugin.cli_args import ArgumentParser, Strategy, UsageError, add_strategy_args, resolve_strategy
 
 __all__ = ["main", "build_parser", "COMMANDS_GROUP", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INTERRUPTED"]
 
@@ -50,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the compiled plan as JSON")
     plan.set_defaults(run=_run_plan)
-    add_train_parser(commands, resolve=_setup)
+    add_train_parser(commands)
     _add_plugin_commands(commands)
     return parser
 
@@ -126,44 +125,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 # -- piper plan -------------------------------------------------------------------------------
-@dataclass
-class _Setup:
-    """What the schedule is: its name, grid, microbatches and how to apply it."""
-
-    name: str
-    pp: int
-    dp: int
-    ep: int
-    microbatches: int
-    zero: int
-    stages: int
-    apply: Callable[[Any], Any]  # Program -> Schedule
-    recipe: str | None = None  # a built-in recipe (for the textbook bubble)
-
-
-def _setup(args: argparse.Namespace) -> _Setup:
-    """The schedule ``--recipe`` / ``--recipe-file`` names, through ``recipes.load`` (one loader
-    for the CLI, the adapters and users); a trace fixes the flags it recorded."""
-    from piper_plugin.recipes import RecipeError, load
-
-    try:
-        recipe = load(str(args.recipe_file) if args.recipe_file is not None else args.recipe)
-        s = recipe.settings(pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches, zero=args.zero)
-        stages = recipe.stages(s["pp"], args.chunks)
-    except RecipeError as exc:
-        raise UsageError(str(exc)) from None
-    chunks = args.chunks
-
-    def apply(program):
-        try:
-            return recipe.schedule(program, chunks=chunks, **s)
-        except RecipeError as exc:
-            raise UsageError(str(exc)) from None
-
-    return _Setup(recipe.name, s["pp"], s["dp"], s["ep"], s["microbatches"], s["zero"], stages, apply,
-                  recipe.name if recipe.builtin else None)
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
@@ -174,7 +135,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from piper_plugin.scheduler.plan import build_plan
     from piper_plugin.scheduler.simulate import simulate
 
-    setup = _setup(args)
+    setup = resolve_strategy(args)
     batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
     layers = max(setup.stages, 2)
     try:
@@ -222,7 +183,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _textbook(setup: _Setup, plan, cost) -> str:
+def _textbook(setup: Strategy, plan, cost) -> str:
     from piper_plugin.recipes.textbook import textbook_bubble
 
     return textbook_bubble(setup.recipe, plan, cost, setup.stages) if setup.recipe else ""

@@ -1,5 +1,5 @@
 """What every ``piper`` subcommand parses with: the usage error, a parser that raises it,
-value parsers, and the strategy flags ``plan`` and ``train`` share.
+value parsers, the strategy flags ``plan`` and ``train`` share and what they resolve to.
 
 Invariants: nothing here prints or exits (``piper_plugin.cli.main`` turns :class:`UsageError`
 into one ``piper: error:`` line and exit status 2); importing this module imports no torch.
@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import math
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 __all__ = ["UsageError", "ArgumentParser", "int_at_least", "positive_int", "positive_float",
-           "add_strategy_args"]
+           "add_strategy_args", "Strategy", "resolve_strategy"]
 
 
 class UsageError(Exception):
@@ -74,3 +75,41 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO level (default: 0)")
     parser.add_argument("--batch", type=positive_int, metavar="N",
                         help="global batch (default: microbatches x dp x ep x 2)")
+
+
+@dataclass
+class Strategy:
+    """What the schedule is: its name, grid, microbatches and how to apply it."""
+
+    name: str
+    pp: int
+    dp: int
+    ep: int
+    microbatches: int
+    zero: int
+    stages: int
+    apply: Callable[[Any], Any]  # Program -> Schedule
+    recipe: str | None = None  # a built-in recipe (for the textbook bubble)
+
+
+def resolve_strategy(args: argparse.Namespace) -> Strategy:
+    """The schedule ``--recipe`` / ``--recipe-file`` names, through ``recipes.load`` (one loader
+    for the CLI, the adapters and users); a trace fixes the flags it recorded."""
+    from piper_plugin.recipes import RecipeError, load
+
+    try:
+        recipe = load(str(args.recipe_file) if args.recipe_file is not None else args.recipe)
+        s = recipe.settings(pp=args.pp, dp=args.dp, ep=args.ep, microbatches=args.microbatches, zero=args.zero)
+        stages = recipe.stages(s["pp"], args.chunks)
+    except RecipeError as exc:
+        raise UsageError(str(exc)) from None
+    chunks = args.chunks
+
+    def apply(program):
+        try:
+            return recipe.schedule(program, chunks=chunks, **s)
+        except RecipeError as exc:
+            raise UsageError(str(exc)) from None
+
+    return Strategy(recipe.name, s["pp"], s["dp"], s["ep"], s["microbatches"], s["zero"], stages, apply,
+                  recipe.name if recipe.builtin else None)

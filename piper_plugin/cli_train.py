@@ -12,24 +12,25 @@ measured last step as a Chrome trace and a picture next to the simulator's pictu
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from piper_plugin.cli_args import UsageError, add_strategy_args, int_at_least, positive_float, positive_int
+from piper_plugin.cli_args import (
+    UsageError, add_strategy_args, int_at_least, positive_float, positive_int, resolve_strategy,
+)
 
 __all__ = ["add_train_parser", "run_train"]
 
 _natural = int_at_least(0, ">= 0")
 
 
-def add_train_parser(commands, *, resolve: Callable[[argparse.Namespace], Any]) -> argparse.ArgumentParser:
-    """The ``train`` subcommand; ``resolve(args)`` turns the strategy flags into the schedule to
-    run (the function ``piper plan`` uses, so both read the flags one way)."""
+def add_train_parser(commands) -> argparse.ArgumentParser:
+    """The ``train`` subcommand; its strategy flags resolve as ``piper plan``'s do
+    (:func:`~piper_plugin.cli_args.resolve_strategy`)."""
     from piper_plugin.training import LAUNCHERS
 
     train = commands.add_parser(
@@ -61,7 +62,7 @@ def add_train_parser(commands, *, resolve: Callable[[argparse.Namespace], Any]) 
     train.add_argument("--trace", type=Path, metavar="DIR",
                        help="write DIR/trace.json (measured last step, Chrome/Perfetto), DIR/timeline.png "
                             "(measured) and DIR/simulated.png")
-    train.set_defaults(run=functools.partial(run_train, resolve=resolve))
+    train.set_defaults(run=run_train)
     return train
 
 
@@ -97,12 +98,12 @@ def _check(args: argparse.Namespace, setup) -> int:
     return world
 
 
-def run_train(args: argparse.Namespace, *, resolve: Callable[[argparse.Namespace], Any]) -> int:
+def run_train(args: argparse.Namespace) -> int:
     from piper_plugin.scheduler.simulate import simulate
     from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
 
-    setup = resolve(args)
+    setup = resolve_strategy(args)
     world = _check(args, setup)
     batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
     layers = max(setup.stages, 2)
