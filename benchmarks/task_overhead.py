@@ -140,9 +140,9 @@ def _bare(rank, repeats: int) -> float:
     """Seconds for this rank's chunk calls with no runtime around them (one step's worth)."""
     state, m = rank.state, rank.plan.microbatches
     shapes = rank.plan.dag.meta.value_shapes
-    values: dict[str, torch.Tensor] = {}
-    for name in state.input_names:
-        values[name] = state.inputs[name][0]
+    first = next(iter(rank.job.data_fn(rank.job.seed)))
+    micro = rank.executor.shard(dict(zip(state.input_names, first)))  # the step's first microbatch
+    values: dict[str, torch.Tensor] = {name: micro[name][0] for name in state.input_names}
 
     def arg(v: str) -> torch.Tensor:
         if v in values:

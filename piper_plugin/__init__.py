@@ -15,7 +15,8 @@ nothing else from the engine.
   plan, simulation); its steps: :func:`build_plan` -> :class:`Plan`, :func:`simulate` ->
   :class:`SimResult`; a run's measured timelines as a result of the same kind:
   :func:`measured_result`, and the cost model they imply: :func:`measured_costs`
-- run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig`;
+- run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig` (it checks
+  the plan hash across ranks as it starts; :func:`check_plan_hash` does so earlier);
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
   :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces;
   :class:`MemoryMeter` is the CPU memory meter an executor's state keeps
@@ -33,7 +34,7 @@ from piper_plugin.scheduler.plan import Plan, PlanError, build_plan
 from piper_plugin.scheduler.simulate import SimResult, simulate
 from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
-from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch
+from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch, check_plan_hash
 from piper_plugin.runtime.pieces import stitch
 from piper_plugin.runtime.value_specs import ValueSpec, probe_values
 from piper_plugin.runtime.job import Job
@@ -52,7 +53,7 @@ __all__ = [
     "recipes",
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
     "measured_result", "measured_costs",
-    "Executor", "ExecutorConfig", "ValueSpec", "probe_values", "stitch", "MemoryMeter",
+    "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "MemoryMeter",
     "Job", "Worker", "run", "RunResult", "start_ray",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

@@ -63,7 +63,7 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
     parser.add_argument("--recipe", choices=list(RECIPES), default="1f1b", help="schedule recipe (default: 1f1b)")
     parser.add_argument("--recipe-file", type=Path, metavar="FILE",
-                        help="replaces --recipe: a .py file defining recipe(sch, microbatches, **kw) "
+                        help="replaces --recipe: a .py file defining recipe(sch, *, microbatches, chunks, zero) "
                              "(and optionally stages(pp, chunks) -> int, default pp), or a JSON trace "
                              "written by Schedule.dumps() (it fixes --pp/--dp/--ep/--microbatches/--zero)")
     parser.add_argument("--pp", type=positive_int, metavar="P", help="pipeline ranks (default: 2)")

@@ -10,6 +10,7 @@ asking it for other values is an error naming the trace and the value, never a s
 from __future__ import annotations
 
 import json
+import re
 import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from piper_plugin.api.schedule import Schedule
 from piper_plugin.recipes.pipeline import RECIPES, apply_recipe, stages_needed
 
 __all__ = ["Recipe", "RecipeError", "load"]
+
+_PP_TAG = re.compile(r"(?:^|,)PP=(\d+)(?:,|$)")  # a place directive naming one stage exactly
 
 # What a JSON trace fixes, and the defaults a caller gets for what it does not pass.
 DEFAULTS = {"pp": 2, "dp": 1, "ep": 1, "microbatches": 4, "zero": 0}
@@ -94,9 +97,10 @@ def _trace(path: Path) -> Recipe:
         grid, directives = data["grid"], data["directives"]
         steps = {name: [d for d in directives if d.get("directive") == name] for name in ("split", "replicate", "place")}
         fixed = {"pp": int(grid["pp"]), "dp": int(grid.get("dp", 1)), "ep": int(grid.get("ep", 1)),
-                 "microbatches": int(steps["split"][-1]["microbatches"]) if steps["split"] else DEFAULTS["microbatches"],
                  "zero": max([int(d["zero"]) for d in steps["replicate"]], default=0)}
-        pp_tags = [int(d["regions"].split("=", 1)[1]) for d in steps["place"] if d["regions"].startswith("PP=")]
+        if steps["split"]:  # a trace that never split leaves the count to the caller
+            fixed["microbatches"] = int(steps["split"][-1]["microbatches"])
+        pp_tags = [int(m.group(1)) for d in steps["place"] for m in [_PP_TAG.search(str(d.get("regions", "")))] if m]
         stages = 1 + max(pp_tags, default=fixed["pp"] - 1)
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise RecipeError(f"recipe file {str(path)!r} is not a Schedule trace ({type(exc).__name__}: {exc}); "

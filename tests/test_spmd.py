@@ -10,7 +10,7 @@ from piper_plugin.recipes import apply_recipe
 from piper_plugin.compiler import compile_job
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import free_port
-from piper_plugin.runtime.launch.spmd import PlanMismatch, check_plan_hash
+from piper_plugin.runtime.executor import PlanMismatch, check_plan_hash
 from parity import adamw, lm_data
 
 CFG = ToyLMConfig(n_layers=2)

@@ -20,7 +20,7 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.tools.logging import logger
 
-from piper_plugin import DirectiveError, Schedule, ValueSpec, compile_program, recipes
+from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, recipes
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
@@ -118,6 +118,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     program = build_stage_program(parts, **sizes)
     compiled = _compile(program, schedule_fn, pp, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
+    check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{replicas}, {microbatches} microbatches, "
                 f"plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")

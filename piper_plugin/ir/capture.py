@@ -115,6 +115,9 @@ class Program:
         DAG is the one :func:`capture` builds for the same regions. Sizes are for the whole
         batch. Such a program has no graphs: its class overrides :meth:`instantiate` to return
         each region's chunk module (called with the region's inputs, returning its outputs)."""
+        if cls.instantiate is Program.instantiate:
+            raise TypeError(f"{cls.__name__}.from_regions: a module-region program has no graphs; subclass "
+                            f"Program and override instantiate(model, loss_fn) to return each region's chunk")
         producer = {v: name for name, r in regions.items() for v in r.outputs}
         missing = [r.name for r in regions.values() if loss_value in r.outputs and r.name != loss_region]
         if loss_region not in regions or loss_value not in regions[loss_region].outputs or missing:

@@ -18,7 +18,7 @@ __all__ = ["DagMeta"]
 
 @dataclass
 class DagMeta:
-    # capture (ir/capture.py; adapters/torchtitan/program.py for TorchTitan stages)
+    # capture (ir/capture.py: capture() for traced regions, Program.from_regions for module regions)
     param_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of each parameter, by parameter name."""
     param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -44,7 +44,7 @@ class DagMeta:
 
     # replicate (passes/replicate.py)
     replicated: dict[str, int] = field(default_factory=dict)
-    """ZeRO level of each replicated region."""
+    """ZeRO level each replicated region runs at (0 over a group of one replica)."""
 
     # split (passes/split.py)
     microbatches: int | None = None

@@ -46,7 +46,7 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
     params = dag.meta.update_params[region]
     sizes = dag.meta.param_bytes
     divisor = grid.ep if sharded else 1
-    dag.meta.replicated[region] = zero
+    dag.meta.replicated[region] = zero if group_size > 1 else 0  # one replica: nothing to shard, plain ZeRO-0
     buckets = []
     for i, names in enumerate(make_buckets(params, sizes, bucket_bytes)):
         numel = sum(sizes[p] for p in names) // 4 // divisor

@@ -9,12 +9,14 @@ streams were decided when the plan was made), so nothing here depends on the rec
 Invariants: ``step`` runs exactly the rank's plan once and returns with every send completed;
 losses are the loss region's outputs times ``loss_scale`` (default: the full-batch mean, 1 /
 (microbatches x data shards)); with ``optimizer_fn=None`` UPDATE tasks leave the gradients in
-``param.grad`` for the host's own optimizer. ``eval`` runs forwards only, region by region in
+``param.grad`` for the host's own optimizer (refused for regions with ZeRO >= 1, whose gradients
+live in shards). ``eval`` runs forwards only, region by region in
 region order, so every rank issues its messages in one global order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
@@ -69,12 +71,10 @@ class ExecutorConfig:
     track_saved_memory: bool = True
     capture_grads: bool = False
     replicas: tuple[tuple[int, ...], ...] | None = None
-    post_ahead: int | None = None
-    post_budget: int | None = None
 
     def runner(self) -> RunnerConfig:
-        extra = {k: v for k, v in (("post_ahead", self.post_ahead), ("post_budget", self.post_budget)) if v is not None}
-        return RunnerConfig(timeout_s=self.timeout_s, **extra)
+        """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
+        return RunnerConfig(timeout_s=self.timeout_s)
 
 
 class HostOptimizer:
@@ -92,6 +92,12 @@ class HostOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the host checkpoints its own optimizer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 class Executor:
     """Rank ``rank`` of ``plan``, over ``model`` (the whole model or, for module regions, what
@@ -106,6 +112,11 @@ class Executor:
         self.plan, self.program, self.rank, self.config = plan, program, rank, config
         self.specs = dict(specs)
         self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer)
+        sharded = sorted({region for (region, _), b in self.state.buckets.items() if b.zero >= 1})
+        if optimizer_fn is None and sharded:
+            raise ValueError(f"optimizer_fn=None (the host steps its own optimizer) needs whole gradients in "
+                             f"param.grad, but regions {sharded} are replicated with ZeRO >= 1 (their gradients "
+                             f"and updates live in shards): use replicate(zero=0) or pass Piper an optimizer_fn")
         self.state.snapshot_grads = config.capture_grads
         if config.loss_scale is not None:
             self.state.scale = config.loss_scale
@@ -132,13 +143,12 @@ class Executor:
         if (batch is None) == (microbatches is None):
             raise ValueError("Executor.step takes exactly one of batch= (the global batch) or microbatches=")
         if batch is not None:
-            state.set_batch(dict(batch))
-        else:
-            self._check_microbatches(microbatches)
-            state.inputs = {name: list(values) for name, values in microbatches.items()}
-            state.losses = []
-            state.batch_shapes = tuple((name, tuple(tuple(getattr(v, "shape", ())) for v in values))
-                                       for name, values in state.inputs.items())
+            microbatches = self.shard(batch)
+        self._check_microbatches(microbatches)
+        state.inputs = {name: list(values) for name, values in microbatches.items()}
+        state.losses = []
+        state.batch_shapes = tuple((name, tuple(tuple(getattr(v, "shape", ())) for v in values))
+                                   for name, values in state.inputs.items())
         state.meter.begin_step(state.batch_shapes)
         self._compute_context = compute_context
         try:
@@ -146,7 +156,15 @@ class Executor:
             self.comm.wait_sends()
         finally:
             self._compute_context = None
+            state.inputs = {}  # the step's inputs are let go with it
         return list(state.losses)
+
+    def shard(self, batch: Mapping[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """This rank's data shard of the global ``batch``, on its device, cut into microbatches
+        (what ``step(batch=...)`` runs; a host may cut it before it starts timing a step)."""
+        self.state.set_batch(dict(batch))
+        out, self.state.inputs = self.state.inputs, {}
+        return out
 
     def _check_microbatches(self, microbatches: Mapping[str, Sequence[Any]]) -> None:
         m = self.plan.microbatches
@@ -199,8 +217,7 @@ class Executor:
             raise ValueError(f"eval runs plans whose regions hold whole parameters; regions {sorted(unsupported)} "
                              f"are ZeRO-3 or expert-sharded: evaluate with replicate(zero<=2) and no shard()")
         if self._eval_group is None:
-            ranks = sorted({self.comm.process_rank[r] for r in range(grid.world_size)})
-            self._eval_group = dist.new_group(ranks) if len(ranks) > 1 else None
+            self._eval_group = self._eval_groups()
         placement, me = dag.meta.placement, grid.coords(self.rank)[0]
         regions = sorted(dag.regions.values(), key=lambda r: r.index)
         producer = {v: r.name for r in regions for v in r.outputs}
@@ -220,8 +237,9 @@ class Executor:
                         args.append(values[v])
                     elif v in microbatches:
                         args.append(microbatches[v][mb])
-                    else:
-                        args.append(self._eval_recv(v, placement[producer[v]], tags[v]))
+                    else:  # kept: another region of this rank may read it too
+                        values[v] = self._eval_recv(v, placement[producer[v]], tags[v])
+                        args.append(values[v])
                 outputs = dict(zip(region.outputs, state.chunks[region.name](*args)))
                 values.update(outputs)
                 for v, t in outputs.items():
@@ -234,6 +252,18 @@ class Executor:
         for work in sends:
             work.wait()
         return losses
+
+    def _eval_groups(self):
+        """This replica's group for eval messages. A collective: every process creates every
+        replica's group, in replica order (``new_group`` needs all processes, same lists)."""
+        world = self.plan.grid.world_size
+        replicas = [list(r) for r in self.config.replicas] if self.config.replicas else [list(range(world))]
+        mine = None
+        for replica in replicas:
+            group = dist.new_group(sorted(replica), timeout=timedelta(seconds=self.config.timeout_s))
+            if replica == self.comm.process_rank:
+                mine = group
+        return mine
 
     def _eval_recv(self, value: str, pp: int, tag: int) -> Any:
         spec = self.specs[value]

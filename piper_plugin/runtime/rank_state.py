@@ -233,14 +233,15 @@ class RankState:
                                                     else bucket.flat[:bucket.numel])
                        for (region, index), bucket in self.buckets.items()}
             targets.update({name: p.detach() for name, p in self.unbucketed().items()})
-            missing = sorted(set(targets) - set(saved))
-            for name in missing[:1]:
-                raise ValueError(f"rank {self.rank}: the checkpoint lacks {name!r} ({len(missing)} entries missing); "
-                                 f"restore it with the plan and rank that saved it")
-            for name, target in targets.items():
+            missing, unknown = sorted(set(targets) - set(saved)), sorted(set(saved) - set(targets))
+            if missing or unknown:
+                raise ValueError(f"rank {self.rank}: the checkpoint lacks {missing[:3]} and has {unknown[:3]} this plan "
+                                 f"does not hold; restore it with the plan and rank that saved it")
+            for name, target in targets.items():  # every shape checked before anything is written
                 if saved[name].shape != target.shape:
                     raise ValueError(f"rank {self.rank}: checkpoint entry {name!r} has shape {tuple(saved[name].shape)}, "
                                      f"this plan holds {tuple(target.shape)}")
+            for name, target in targets.items():
                 target.copy_(saved[name].to(target.device))
 
     def _pieces(self, region: str, grads: bool) -> list[Piece]:

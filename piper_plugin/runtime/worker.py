@@ -63,12 +63,13 @@ class Worker:
         return group if self.rank in ranks else None
 
     def step(self) -> dict[str, Any]:
-        batch = next(self.data)
+        microbatches = self.executor.shard(dict(zip(self.state.input_names, next(self.data))))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.step_base_bytes = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
-        self.executor.step(batch=dict(zip(self.state.input_names, batch)))
+        losses = self.executor.step(microbatches=microbatches)
+        del microbatches
         for scheduler in self.schedulers:
             scheduler.step()
         elapsed = time.perf_counter() - start
@@ -77,7 +78,7 @@ class Worker:
                                    "peak_memory_bytes": self.peak_memory(),
                                    "transient_peak_bytes": self.transient_peak()}
         if self.loss_group is not None:
-            loss = torch.stack(self.state.losses).sum().reshape(1)
+            loss = torch.stack(losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
             metrics["loss"] = loss.item()
         self.step_index += 1

@@ -12,10 +12,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from piper_plugin.compiler import compile_job
-from piper_plugin.runtime.executor import PlanMismatch, check_plan_hash
 from piper_plugin.runtime.job import Job
 
-__all__ = ["run_spmd", "PlanMismatch", "check_plan_hash"]
+__all__ = ["run_spmd"]
 
 
 def run_spmd(job: Job, *, on_metrics: Callable[[dict], None] | None = None) -> dict[str, Any]:
