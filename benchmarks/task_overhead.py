@@ -166,8 +166,9 @@ def _bare(rank, repeats: int) -> float:
     return best
 
 
-def _replay_step(rank, order: list[str]) -> None:
-    """One step of this rank's tasks in ``order`` with raw torch.distributed and bare chunks."""
+def _replay_step(rank, order: list[str], inputs: dict[str, list[torch.Tensor]]) -> None:
+    """One step of this rank's tasks in ``order`` with raw torch.distributed and bare chunks, on
+    ``inputs`` (this rank's microbatches of a batch, cut before timing as the Worker cuts them)."""
     state, plan, comm = rank.state, rank.plan, rank.comm
     dag, deps = plan.dag, plan.ranks[rank.rank].deps
     receiving: dict[str, tuple[list, dict[str, torch.Tensor]]] = {}
@@ -192,7 +193,7 @@ def _replay_step(rank, order: list[str]) -> None:
                 values.update(out)
         region, mb = dag.regions[node.region], node.microbatch
         if kind == "F":
-            args = [values[v].detach().requires_grad_(True) if v in values else state.inputs[v][mb]
+            args = [values[v].detach().requires_grad_(True) if v in values else inputs[v][mb]
                     for v in region.inputs]
             outs = state.chunks[node.region](*args)
             saved[(node.region, mb)] = (args, outs)
@@ -219,15 +220,17 @@ def _timed(rank, warmup: int, steps: int) -> dict[str, Any]:
         dist.barrier()
         rank.step()
     order = [key for _, key, begin, _ in sorted(rank.runner.timeline, key=lambda e: e[2])]
+    first = next(iter(rank.job.data_fn(rank.job.seed)))
+    inputs = rank.executor.shard(dict(zip(rank.state.input_names, first)))
     for _ in range(2):
         dist.barrier()
-        _replay_step(rank, order)
+        _replay_step(rank, order, inputs)
     out: dict[str, Any] = {"times": [], "handlers": [], "cpu": [], "replay": [], "replay_cpu": []}
     for i in range(2 * steps):  # Piper and the bare replay alternate, each first every other pair
         piper = (i % 2 == 0) == (i % 4 < 2)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
-        rank.step() if piper else _replay_step(rank, order)
+        rank.step() if piper else _replay_step(rank, order, inputs)
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if not piper:
             out["replay"].append(wall)
