@@ -128,12 +128,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def _run_plan(args: argparse.Namespace) -> int:
     import torch
 
+    from piper_plugin.compiler import compile_program
     from piper_plugin.ir.capture import capture
     from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
     from piper_plugin.scheduler import export
     from piper_plugin.scheduler.cost import CostModel
-    from piper_plugin.scheduler.plan import build_plan
-    from piper_plugin.scheduler.simulate import simulate
 
     setup = resolve_strategy(args)
     batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
@@ -144,11 +143,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"model {args.model}: {exc}") from None
     tokens, targets = lm_batch(cfg, batch)
-    program = capture(model, lm_loss, (tokens,), targets)
-    sch = setup.apply(program)
-    plan = build_plan(sch.dag, sch.grid)
     cost = CostModel.uniform() if args.cost == "uniform" else CostModel.cpu_default()
-    result = simulate(plan, cost)
+    _, sch, plan, result = compile_program(capture(model, lm_loss, (tokens,), targets), setup.apply, cost=cost)
 
     params = sum(p.numel() for p in model.parameters())
     g = plan.grid

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.ir.capture import Program, capture
+from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan, build_plan
 from piper_plugin.scheduler.simulate import SimResult, simulate
 
@@ -48,14 +49,16 @@ def compile(model: nn.Module | Callable[[], nn.Module], loss_fn: Callable[..., t
                            split_last_backward=split_last_backward)
 
 
-def compile_program(program: Program, schedule_fn: ScheduleFn, *, split_last_backward: bool = True) -> Compiled:
-    """Apply ``schedule_fn`` to an already captured program (module regions, for instance)."""
+def compile_program(program: Program, schedule_fn: ScheduleFn, *, split_last_backward: bool = True,
+                    cost: CostModel | None = None) -> Compiled:
+    """Apply ``schedule_fn`` to an already captured program (module regions, for instance);
+    ``cost`` is the simulation's cost model (default: unit costs)."""
     sch = schedule_fn(program)
     if not isinstance(sch, Schedule):
         raise TypeError(f"the schedule function returned {type(sch).__name__}, not a Schedule: "
                         f"return the Schedule its directives were applied to")
     plan = build_plan(sch.dag, sch.grid, split_last_backward=split_last_backward)
-    return Compiled(program, sch, plan, simulate(plan))
+    return Compiled(program, sch, plan, simulate(plan, cost))
 
 
 def compile_job(job: Any) -> Compiled:

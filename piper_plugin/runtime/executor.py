@@ -162,9 +162,7 @@ class Executor:
     def shard(self, batch: Mapping[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """This rank's data shard of the global ``batch``, on its device, cut into microbatches
         (what ``step(batch=...)`` runs; a host may cut it before it starts timing a step)."""
-        self.state.set_batch(dict(batch))
-        out, self.state.inputs = self.state.inputs, {}
-        return out
+        return self.state.microbatches(dict(batch))
 
     def _check_microbatches(self, microbatches: Mapping[str, Sequence[Any]]) -> None:
         m = self.plan.microbatches

@@ -116,13 +116,15 @@ class RankState:
             if id(p) not in local:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def set_batch(self, inputs: dict[str, torch.Tensor]) -> None:
-        """This rank's data shard of the global batch, cut into microbatches."""
+    def microbatches(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        """This rank's data shard of the global batch, on its device, cut into microbatches."""
         grid, m = self.plan.grid, self.plan.microbatches
-        self.inputs = {}
-        for name, full in inputs.items():
-            shard = full.chunk(grid.data_shards)[self.shard_index].to(self.device, non_blocking=True)
-            self.inputs[name] = list(shard.chunk(m))
+        return {name: list(full.chunk(grid.data_shards)[self.shard_index].to(self.device, non_blocking=True).chunk(m))
+                for name, full in batch.items()}
+
+    def set_batch(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Feed :meth:`microbatches` of the global batch as this step's inputs."""
+        self.inputs = self.microbatches(inputs)
         self.batch_shapes = tuple((name, tuple(tuple(t.shape) for t in mbs)) for name, mbs in self.inputs.items())
         self.losses = []
 
@@ -215,24 +217,23 @@ class RankState:
     def param_pieces(self) -> list[Piece]:
         return [p for region in self.regions for p in self._pieces(region, grads=False)]
 
+    def _held(self) -> dict[str, torch.Tensor]:
+        """Views of the parameters this rank keeps between steps: each bucket's flat parameters
+        (its ZeRO-3 shard, all it holds then) and each unbucketed parameter."""
+        held = {f"bucket:{region}:{index}": (bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None
+                                             else bucket.flat[:bucket.numel])
+                for (region, index), bucket in self.buckets.items()}
+        held.update({name: p.detach() for name, p in self.unbucketed().items()})
+        return held
+
     def checkpoint(self) -> dict[str, torch.Tensor]:
-        """What this rank must keep to resume: each bucket's flat parameters (its ZeRO-3 shard,
-        which is all it holds between steps), each unbucketed parameter, as host copies."""
-        out: dict[str, torch.Tensor] = {}
-        for (region, index), bucket in self.buckets.items():
-            flat = bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None else bucket.flat[:bucket.numel]
-            out[f"bucket:{region}:{index}"] = flat.detach().to("cpu", copy=True)
-        for name, p in self.unbucketed().items():
-            out[name] = p.detach().to("cpu", copy=True)
-        return out
+        """What this rank must keep to resume (:meth:`_held`), as host copies."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self._held().items()}
 
     def restore(self, saved: dict[str, torch.Tensor]) -> None:
         """Write back what :meth:`checkpoint` returned on this rank of the same plan."""
         with torch.no_grad():
-            targets = {f"bucket:{region}:{index}": (bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None
-                                                    else bucket.flat[:bucket.numel])
-                       for (region, index), bucket in self.buckets.items()}
-            targets.update({name: p.detach() for name, p in self.unbucketed().items()})
+            targets = self._held()
             missing, unknown = sorted(set(targets) - set(saved)), sorted(set(saved) - set(targets))
             if missing or unknown:
                 raise ValueError(f"rank {self.rank}: the checkpoint lacks {missing[:3]} and has {unknown[:3]} this plan "

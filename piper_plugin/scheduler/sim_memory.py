@@ -38,15 +38,12 @@ class TransientMemory:
         self.holding = {Kind.F, Kind.ALL_GATHER, Kind.RECV}
         if any(level >= 2 for level in plan.dag.meta.replicated.values()):
             self.holding |= {Kind.B, Kind.BW}
-        self.posted = [list(plan.ranks[r].posted) for r in range(world)]
         self.receives: list[dict[str, list]] = [{} for _ in range(world)]  # posted RECV -> [bytes, first use]
         # ZeRO-3 gathers -> [start, end, bucket, bytes]: a rank holds one copy of a bucket while any
         # gather of it is in use (the runtime counts references; parameters do not change in a step)
         self.gathers: list[dict[str, list]] = [{} for _ in range(world)]
         self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
         self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
-        self.fused = [plan.ranks[r].fused for r in range(world)]  # BIs run whole (their BW: nothing)
-        self.split = [plan.ranks[r].split_first for r in range(world)]  # Bs run as BI, sends, BW
         self.for_weights: dict[tuple[int, str, int], int | None] = {}  # (rank, region, mb) -> BI's kept (None: whole)
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
@@ -69,7 +66,7 @@ class TransientMemory:
             if held:
                 events = self.events[r]
                 consumers = _consumers(self.plan, r, key)
-                if consumers and node.kind == Kind.RECV and node.stream in self.posted[r]:
+                if consumers and node.kind == Kind.RECV and node.stream in self.plan.ranks[r].posted:
                     self.receives[r][key] = [held, float("inf")]  # allocated when posted (peaks)
                 elif node.kind == Kind.ALL_GATHER:
                     self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
@@ -110,11 +107,11 @@ class TransientMemory:
         scale, ep = 1 / self.shards, dag.meta.sharded.get(node.region, 1)
         slot = (r, node.region, node.microbatch)
         kept = 0
-        if node.kind == Kind.B:
-            rise = (max(b.inputs.at(scale), b.kept.at(scale) + b.weights.at(scale)) if node.key in self.split[r]
-                    else b.full.at(scale))
+        if node.kind == Kind.B:  # a B split by the plan runs BI, its sends, then BW
+            split = node.key in self.plan.ranks[r].split_first
+            rise = max(b.inputs.at(scale), b.kept.at(scale) + b.weights.at(scale)) if split else b.full.at(scale)
         elif node.kind == Kind.BI:
-            whole = node.key in self.fused[r]
+            whole = node.key in self.plan.ranks[r].fused  # a BI run whole (its BW: nothing)
             rise = b.full.at(scale) if whole else b.inputs.at(scale)
             kept = 0 if whole else b.kept.at(scale) // ep
             self.for_weights[slot] = None if whole else kept
@@ -142,7 +139,7 @@ class TransientMemory:
         out = []
         for r, receives in enumerate(self.receives):
             events = list(self.events[r]) + _bucket_spans(self.gathers[r].values())
-            for stream in self.posted[r]:
+            for stream in self.plan.ranks[r].posted:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
                 events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
             level = peak = 0
