@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from piper_plugin import Job, stitch
+from piper_plugin import Job, ParamList, stitch
 
 __all__ = ["ParityErrors", "rel", "single_device_errors"]
 
@@ -42,7 +42,8 @@ class ParityErrors:
 def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]]) -> ParityErrors:
     """Train ``job.steps`` steps on one device and compare; raises when a step has no loss."""
     reference = job.build_model()
-    optimizer = job.optimizer_fn(list(reference.parameters()))
+    named = list(reference.named_parameters())
+    optimizer = job.optimizer_fn(ParamList([p for _, p in named], [n for n, _ in named]))
     scheduler = job.lr_scheduler_fn(optimizer) if job.lr_scheduler_fn else None
     data = job.data_fn(job.seed)
     errors = ParityErrors()
@@ -56,7 +57,9 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
             raise ValueError(f"no last-stage rank reported a loss for step {step}")
         for got in losses:
             errors.note("loss", abs(got - loss.item()) / abs(loss.item()), f"step {step}: {got} vs {loss.item()}")
-        grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        # a parameter without a gradient (frozen, unused) is compared as zeros
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in reference.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:

@@ -19,6 +19,7 @@ nothing else from the engine.
   the plan hash across ranks as it starts; :func:`check_plan_hash` does so earlier);
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
   :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces;
+  :class:`ParamList` is what an ``optimizer_fn`` receives (the parameters, ``.named()``);
   :class:`MemoryMeter` is the CPU memory meter an executor's state keeps
 - Piper's own launchers: :class:`Job`, a rank of one (:class:`Worker`), :func:`run` ->
   :class:`RunResult`; :func:`start_ray`
@@ -36,6 +37,7 @@ from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
 from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch, check_plan_hash
 from piper_plugin.runtime.pieces import stitch
+from piper_plugin.runtime.optimizers import ParamList
 from piper_plugin.runtime.value_specs import ValueSpec, probe_values
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.worker import Worker
@@ -53,7 +55,7 @@ __all__ = [
     "recipes",
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
     "measured_result", "measured_costs",
-    "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "MemoryMeter",
+    "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "Job", "Worker", "run", "RunResult", "start_ray",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

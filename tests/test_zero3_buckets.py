@@ -52,7 +52,9 @@ def test_release_and_the_next_gather_do_not_interleave():
     done.join()
     assert bucket.refs == 1
     assert bucket.materialized, "a referenced bucket lost its storage to the release before it"
-    assert torch.equal(bucket.flat, full)
+    expected = torch.zeros(bucket.padded)
+    bucket.from_rank_major(full, expected)
+    assert torch.equal(bucket.flat, expected)
 
 
 def test_a_handed_over_gradient_counts_until_it_is_reduced():
@@ -64,25 +66,25 @@ def test_a_handed_over_gradient_counts_until_it_is_reduced():
     before = state.meter.current
     state.deliver_to(node.key, "grads", bucket.flat_grad(take=True))
     held = state.meter.current - before
-    assert held == bucket.padded * 4
+    assert held == bucket.grad_numel * 4  # gradients and flags, in rank-major layout
     grads = comm_ops.payload(state, node)
     assert state.meter.current - before == held, "still in use by the reduction"
     comm_ops.absorb(state, node, grads.chunk(2)[0].clone())
     assert state.meter.current == before
 
 
-def test_a_gather_writes_into_the_bucket_unless_a_copy_is_held():
-    """The first gather of a released bucket gets the bucket's own buffer (the collective fills
-    it, no second copy); while that copy is held, later gathers get none and the copy serves."""
+def test_a_gather_fills_the_bucket_unless_a_copy_is_held():
+    """The first gather of a released bucket gives the bucket its storage back (the gathered
+    parameters go there); while that copy is held, later gathers leave it and the copy serves."""
     plan, state = _rank_state(zero=3)
     first, second = sorted((n for n in plan.dag.nodes.values() if n.kind == Kind.ALL_GATHER and n.phase == "F"),
                            key=lambda n: n.microbatch)[:2]
     bucket = state.buckets[(first.region, first.bucket)]
     assert not bucket.materialized
-    target = comm_ops.gather_target(state, first)
-    assert target is bucket.flat and bucket.materialized and bucket.refs == 1
+    assert comm_ops.gather_target(state, first)
+    assert bucket.materialized and bucket.refs == 1
     assert state.meter.current == bucket.padded * 4
-    assert comm_ops.gather_target(state, second) is None and bucket.refs == 2
+    assert not comm_ops.gather_target(state, second) and bucket.refs == 2
     for node in (first, second):
         (consumer,) = plan.dag.data_succ[node.key]
         state.finished(consumer)

@@ -1,13 +1,25 @@
 """Parameter buckets: the unit of gradient reduction and ZeRO sharding on one rank.
 
-A bucket views its parameters as slices of one flat buffer padded to a multiple of the group
-size. ``zero`` decides what stays resident:
+Parameters are sharded one by one along dim 0, as FSDP2 does: with ``n`` members each
+parameter of ``d`` rows is cut into ``n`` chunks of ``ceil(d / n)`` rows (the last ones may be
+short or empty), and member ``i`` owns chunk ``i`` of every parameter. Collectives move one
+buffer per bucket in *rank-major* layout (member ``i``'s block holds its chunk of each
+parameter, padded, in bucket order), so a reduce-scatter hands each member exactly its chunks
+and an all-gather's result is every member's block in order. The parameters themselves view a
+*parameter-major* flat buffer (``flat``: each parameter whole and contiguous) that compute reads.
 
-* 0: full params, full grads, optimizer over the params themselves;
-* 1, 2: full params, optimizer over this rank's shard (a flat ``nn.Parameter`` viewing its slice
-  of the buffer: the update lands in the params, no second copy);
-* 3: only the shard; ``materialize`` refills the flat buffer (same storage, so autograd's saved
-  references stay valid), ``release`` frees it once its last consumer finished.
+``zero`` decides what stays resident:
+
+* 0: full params, full grads, the optimizer over the params themselves;
+* 1, 2: full params; the optimizer over one :attr:`shards` entry per parameter: this member's
+  rows of it, a view into ``flat`` (the update lands in the params, no second copy);
+* 3: only the shards, which view a buffer of their own; ``materialize`` refills ``flat`` (same
+  storage, so autograd's saved references stay valid), ``release`` frees it.
+
+Gradient payloads carry one flag per parameter after the gradients (1 where this rank's
+parameter had a gradient): reduced with them, they say which parameters got a gradient
+anywhere, so a frozen or unused parameter keeps ``grad = None`` and optimizers skip it exactly
+as they do on one device.
 """
 from __future__ import annotations
 
@@ -24,22 +36,72 @@ class FlatBucket:
         self.n = group_size
         self.index = index_in_group
         self.numel = sum(p.numel() for p in params)
-        self.padded = -(-self.numel // self.n) * self.n
-        self.shard_numel = self.padded // self.n
+        self.rows = [p.shape[0] if p.dim() else 1 for p in params]
+        self.row_numel = [p.numel() // r if r else 0 for p, r in zip(params, self.rows)]
+        self.chunk_rows = [-(-r // self.n) for r in self.rows]
+        self.segments = [c * s for c, s in zip(self.chunk_rows, self.row_numel)]  # per-parameter block size
+        self.shard_numel = sum(self.segments)
+        self.padded = max(self.shard_numel * self.n, self.numel)
+        self.flags = len(params)
         dtype = params[0].dtype
         self.flat = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
+        self._offsets = []
         offset = 0
         with torch.no_grad():
             for p in params:
                 self.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
                 p.data = self.flat[offset:offset + p.numel()].view_as(p)
+                self._offsets.append(offset)
                 offset += p.numel()
-        lo = self.index * self.shard_numel
-        own = self.flat[lo:lo + self.shard_numel]  # ZeRO-1/2: the optimizer updates it in place
-        self.shard = nn.Parameter(own.clone() if zero == 3 else own) if zero >= 1 else None
         self.refs = 0
+        self.shards: list[nn.Parameter] = []
+        self.shard_flat: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None
+        self.seen = torch.zeros(self.flags, dtype=torch.bool)
+        if zero >= 1:
+            if zero == 3:
+                self.shard_flat = self.to_rank_major(self.flat).view(self.n, self.shard_numel)[self.index].clone()
+            self.shards = [nn.Parameter(self._own_rows(i), requires_grad=p.requires_grad)
+                           for i, p in enumerate(params)]
         if zero == 3:
             self.release()
+
+    # -- layout -----------------------------------------------------------------------------
+    def _valid_rows(self, i: int, member: int) -> int:
+        return max(0, min(self.chunk_rows[i], self.rows[i] - member * self.chunk_rows[i]))
+
+    def _own_rows(self, i: int) -> torch.Tensor:
+        """This member's rows of parameter ``i``: a view of ``flat`` (ZeRO-1/2) or of its shard
+        buffer (ZeRO-3), shaped like the parameter but for dim 0."""
+        p, rows = self.params[i], self._valid_rows(i, self.index)
+        shape = (rows, *p.shape[1:]) if p.dim() else (rows,)
+        if self.shard_flat is not None:
+            start = sum(self.segments[:i])
+            return self.shard_flat[start:start + rows * self.row_numel[i]].view(shape)
+        start = self._offsets[i] + self.index * self.chunk_rows[i] * self.row_numel[i]
+        return self.flat[start:start + rows * self.row_numel[i]].view(shape)
+
+    def to_rank_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """A parameter-major flat tensor (``numel`` first elements used) in rank-major layout."""
+        out = flat.new_zeros(self.n * self.shard_numel)
+        blocks = out.view(self.n, self.shard_numel)
+        start = 0
+        for i, offset in enumerate(self._offsets):
+            size, seg = self.params[i].numel(), self.segments[i]
+            padded = flat.new_zeros(self.n * seg)
+            padded[:size] = flat[offset:offset + size]
+            blocks[:, start:start + seg] = padded.view(self.n, seg)
+            start += seg
+        return out
+
+    def from_rank_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Write a rank-major tensor into the parameter-major ``out``."""
+        blocks = gathered.view(self.n, self.shard_numel)
+        start = 0
+        for i, offset in enumerate(self._offsets):
+            size, seg = self.params[i].numel(), self.segments[i]
+            out[offset:offset + size] = blocks[:, start:start + seg].reshape(-1)[:size]
+            start += seg
 
     # -- parameters -----------------------------------------------------------------------
     @property
@@ -53,41 +115,78 @@ class FlatBucket:
             storage.resize_(self.padded * self.flat.element_size())
         return self.flat
 
-    def materialize(self, full: torch.Tensor) -> None:
+    def materialize(self, gathered: torch.Tensor) -> None:
+        """Fill ``flat`` from an all-gather's (rank-major) result."""
         with torch.no_grad():
-            self.allocate().copy_(full)
+            self.from_rank_major(gathered, self.allocate())
 
     def release(self) -> None:
         self.flat.untyped_storage().resize_(0)
 
     def shard_data(self) -> torch.Tensor:
-        return self.shard.detach()
+        """This member's block of the parameters (what it contributes to an all-gather)."""
+        if self.shard_flat is not None:
+            return self.shard_flat
+        out = self.flat.new_zeros(self.shard_numel)
+        start = 0
+        for i, shard in enumerate(self.shards):
+            out[start:start + shard.numel()] = shard.detach().reshape(-1)
+            start += self.segments[i]
+        return out
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        return list(self.params) if self.shard is None else [self.shard]
+        """What the optimizer steps: the parameters (ZeRO 0) or one shard per parameter."""
+        return list(self.params) if not self.shards else list(self.shards)
 
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
-        """This rank's accumulated gradient as one padded flat tensor (``take`` clears p.grad)."""
-        out = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
-        offset = 0
-        for p in self.params:
+        """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)
+        for ZeRO 0, rank-major with each block's flags after it for ZeRO >= 1 (``take`` clears
+        p.grad)."""
+        grads = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
+        flags = torch.zeros(self.flags, dtype=self.flat.dtype, device=self.flat.device)
+        for i, (p, offset) in enumerate(zip(self.params, self._offsets)):
             if p.grad is not None:
-                out[offset:offset + p.numel()] = p.grad.flatten()
+                grads[offset:offset + p.numel()] = p.grad.flatten()
+                flags[i] = 1
             if take:
                 p.grad = None
-            offset += p.numel()
-        return out
+        if self.zero == 0:
+            return torch.cat([grads[:self.numel], flags])
+        blocks = self.to_rank_major(grads).view(self.n, self.shard_numel)
+        return torch.cat([blocks, flags.expand(self.n, self.flags)], dim=1).reshape(-1)
 
-    def set_grad(self, flat: torch.Tensor) -> None:
-        """Write a full reduced gradient back into the parameters' ``.grad``."""
-        offset = 0
-        for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+    def set_grad(self, reduced: torch.Tensor) -> None:
+        """Write a full reduced gradient (:meth:`flat_grad`'s ZeRO-0 layout) into ``.grad`` of
+        every parameter some rank had a gradient for."""
+        flags = reduced[self.numel:]
+        for i, (p, offset) in enumerate(zip(self.params, self._offsets)):
+            p.grad = reduced[offset:offset + p.numel()].view_as(p).clone() if flags[i] > 0 else None
 
-    def add_shard_grad(self, shard_grad: torch.Tensor) -> None:
-        if self.shard.grad is None:
-            self.shard.grad = shard_grad.clone()
+    @property
+    def grad_numel(self) -> int:
+        """Elements of :meth:`flat_grad`'s payload."""
+        return self.numel + self.flags if self.zero == 0 else self.n * (self.shard_numel + self.flags)
+
+    def add_shard_grad(self, reduced: torch.Tensor) -> None:
+        """Add a reduce-scatter's result (this member's block and flags) to the shards' grads."""
+        grads, flags = reduced[:self.shard_numel], reduced[self.shard_numel:]
+        if self.shard_grad is None:
+            self.shard_grad = grads.clone()
+            self.seen = flags.cpu() > 0
         else:
-            self.shard.grad.add_(shard_grad)
+            self.shard_grad.add_(grads)
+            self.seen |= flags.cpu() > 0
+        start = 0
+        for i, shard in enumerate(self.shards):
+            size = shard.numel()
+            shard.grad = (self.shard_grad[start:start + size].view_as(shard)
+                          if self.seen[i] and shard.requires_grad else None)
+            start += self.segments[i]
+
+    def step_done(self) -> None:
+        """The optimizer stepped: the next step's gradients start from nothing."""
+        self.shard_grad = None
+        self.seen = torch.zeros(self.flags, dtype=torch.bool)
+        for shard in self.shards:
+            shard.grad = None

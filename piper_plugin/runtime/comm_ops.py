@@ -46,11 +46,12 @@ def payload(state: RankState, node: Node):
     return bucket.shard_data()  # ALL_GATHER
 
 
-def gather_target(state: RankState, node: Node) -> torch.Tensor | None:
+def gather_target(state: RankState, node: Node) -> bool:
     """A ZeRO-3 gather for a forward or backward: count its local consumers on the bucket.
-    Returns the bucket's flat buffer, given storage, when no copy was held (the gathered
-    parameters go there); None when one is held already (parameters do not change within a
-    step, so that copy serves). Serialized with releases (:meth:`RankState.finished`)."""
+    True when no copy was held: the bucket got its storage back and the gathered parameters
+    go there (:meth:`FlatBucket.materialize`); False when one is held already (parameters do
+    not change within a step, so that copy serves). Serialized with releases
+    (:meth:`RankState.finished`)."""
     bucket = state.buckets[(node.region, node.bucket)]
     with state.bucket_lock:
         fresh = bucket.refs == 0
@@ -58,7 +59,7 @@ def gather_target(state: RankState, node: Node) -> torch.Tensor | None:
             state.meter.add(bucket.padded * bucket.flat.element_size())
             bucket.allocate()
         bucket.refs += state.local_consumers(node.key)
-    return bucket.flat if fresh else None
+    return fresh
 
 
 def absorb(state: RankState, node: Node, result) -> None:
@@ -76,13 +77,11 @@ def absorb(state: RankState, node: Node, result) -> None:
         elif node.kind == Kind.REDUCE_SCATTER:
             bucket.add_shard_grad(result)
             if node.phase == "B":  # the handed-over gradient (bucket.flat_grad) is reduced: it goes
-                state.meter.add(-bucket.padded * bucket.flat.element_size())
+                state.meter.add(-bucket.grad_numel * bucket.flat.element_size())
         else:
             if node.phase in ("F", "B"):  # ZeRO-3: parameters do not change within a step
-                target = gather_target(state, node)
-                if target is not None:
-                    with torch.no_grad():
-                        target.copy_(result)
+                if gather_target(state, node):
+                    bucket.materialize(result)
             else:
                 bucket.materialize(result)
     state.finished(node.key)

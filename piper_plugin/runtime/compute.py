@@ -115,6 +115,9 @@ def _update(state: RankState, node: Node) -> None:
     optimizer = state.optimizers[node.region]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    for (region, _), bucket in state.buckets.items():
+        if region == node.region:
+            bucket.step_done()
 
 
 _HANDLERS = {Kind.F: _forward, Kind.B: _backward, Kind.BI: _backward_input, Kind.BW: _backward_weight,

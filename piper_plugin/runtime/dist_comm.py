@@ -114,8 +114,8 @@ class DistComm:
         """Issue ``node``'s operation. SENDs are asynchronous (let go by :meth:`retire_sends` once
         done, by :meth:`wait_sends` at the latest);
         a RECV is posted and returns its completion (wait for the message, then deliver it,
-        within the seconds it is given); collectives block. A ZeRO-3 gather writes straight into
-        the bucket when it gives the bucket its storage (no second copy of the parameters)."""
+        within the seconds it is given); collectives block. A ZeRO-3 gather lays the gathered shards out into the bucket's
+        parameters when no copy is held (:func:`comm_ops.gather_target`)."""
         dag = self.plan.dag
         if node.kind == Kind.SEND:
             dst, group = self.channel(node)
@@ -155,12 +155,13 @@ class DistComm:
                 comm_ops.absorb(state, node, out)
 
             return complete
-        elif node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):  # ZeRO-3: into the bucket itself
+        elif node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):  # ZeRO-3: into the bucket
             members, group = self._group(node)
             shard = comm_ops.payload(state, node)
-            target = comm_ops.gather_target(state, node)  # None: a copy is held; this one is scratch
-            out = target if target is not None else shard.new_empty(shard.numel() * len(members))
+            out = shard.new_empty(shard.numel() * len(members))
             _all_gather(out, shard.contiguous(), group=group)
+            if comm_ops.gather_target(state, node):  # None held yet: the gathered parameters go in
+                state.buckets[(node.region, node.bucket)].materialize(out)
             state.finished(node.key)
         else:
             members, group = self._group(node)

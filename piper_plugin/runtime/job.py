@@ -3,7 +3,9 @@
 The callables are the user's own: ``model_fn`` builds the model (called under a seed, so
 every rank initialises exactly as single-device training would), ``data_fn(seed)`` yields
 global batches ``(inputs..., target)``, ``schedule_fn`` applies directives, and
-``optimizer_fn`` / ``lr_scheduler_fn`` wrap any torch optimizer and LR scheduler. ``schedule_fn``
+``optimizer_fn`` / ``lr_scheduler_fn`` wrap any torch optimizer and LR scheduler (``optimizer_fn``
+gets a region's parameters as a :class:`~piper_plugin.runtime.optimizers.ParamList`, names
+included, and ZeRO rebinds its groups to shards). ``schedule_fn``
 turns the captured program into a :class:`Schedule` (its grid sets the world size).
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ class Job:
     loss_fn: Callable[..., torch.Tensor]
     data_fn: Callable[[int], Iterator[tuple[torch.Tensor, ...]]]
     schedule_fn: Callable[[Program], Schedule]
-    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]  # called with a ParamList
     steps: int = 10
     seed: int = 0
     timeout_s: float = 60.0

@@ -1,8 +1,9 @@
 """Pieces of parameters and gradients as one rank holds them, and how to stitch them whole.
 
 A piece is a flat tensor covering ``names`` (in bucket order, each of ``shapes``): the whole
-bucket, or member ``slot`` of ``n`` equal shards of it padded to a multiple of ``n``; for
-EP-sharded experts, the slice ``ep_index`` of ``ep`` along the expert dimension.
+bucket, or (``n`` > 1, one name) member ``slot``'s rows of one parameter cut into ``n`` chunks
+of ``ceil(rows / n)`` rows along dim 0; for EP-sharded experts, the slice ``ep_index`` of
+``ep`` along the expert dimension.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def expected_flat(piece: Piece, whole: dict[str, torch.Tensor]) -> torch.Tensor:
     flat = torch.cat(parts)
     if piece.n == 1:
         return flat
-    padded = -(-flat.numel() // piece.n) * piece.n
-    flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
-    return flat.chunk(piece.n)[piece.slot]
+    (shape,) = piece.shapes
+    rows = shape[0] if shape else 1
+    chunk = -(-rows // piece.n)
+    per_row = flat.numel() // rows if rows else 0
+    lo = min(rows, piece.slot * chunk)
+    hi = min(rows, lo + chunk)
+    return flat[lo * per_row:hi * per_row]

@@ -20,13 +20,14 @@ from piper_plugin.ir.capture import Program
 from piper_plugin.ir.nodes import Kind
 from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.memory import MemoryMeter
+from piper_plugin.runtime.optimizers import ParamList, rebind
 from piper_plugin.runtime.pieces import Piece
 from piper_plugin.autograd.split_backward import PendingWeightGrads
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["RankState"]
 
-OptimizerFn = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFn = Callable[["ParamList"], torch.optim.Optimizer]
 
 
 class RankState:
@@ -86,6 +87,10 @@ class RankState:
                 p.data = p.data[self.ep * size:(self.ep + 1) * size].clone()
 
     def _build_buckets(self, named: dict[str, nn.Parameter], optimizer_fn: OptimizerFn) -> None:
+        """Each region's buckets and its optimizer. ``optimizer_fn`` sees the region's parameters
+        as the user wrote them (a :class:`ParamList`: whole shapes, names, ``requires_grad``), so
+        its groups and options are the user's; ZeRO >= 1 then rebinds each parameter of each
+        group to this rank's shard of it (:func:`~piper_plugin.runtime.optimizers.rebind`)."""
         grid = self.plan.grid
         self._unbucketed: dict[str, dict[str, nn.Parameter]] = {}
         sharded = self.dag.meta.sharded
@@ -97,17 +102,19 @@ class RankState:
             groups_axis = "dp" if region in sharded else "data"
             devices = self.dag.nodes[f"{region}F0"].devices
             group = next(g for g in grid.groups(groups_axis, devices) if self.rank in g)
-            tensors: list[nn.Parameter] = []
+            optimizer = optimizer_fn(ParamList([named[p] for p in own], [n.removeprefix("model.") for n in own]))
             if not specs or len(group) == 1:  # a single replica: nothing to reduce or shard, params stay as they are
-                tensors = [named[p] for p in own]
                 self._unbucketed[region] = {p: named[p] for p in own}
                 specs = []
+            shards: dict[int, nn.Parameter] = {}
             for spec in specs:
                 zero = spec.zero if len(group) > 1 else 0
                 bucket = FlatBucket([named[p] for p in spec.params], zero, len(group), group.index(self.rank))
                 self.buckets[(region, spec.index)] = bucket
-                tensors += bucket.optimizer_params()
-            self.optimizers[region] = optimizer_fn(tensors)
+                shards.update({id(p): s for p, s in zip(bucket.params, bucket.shards)})
+            if shards:
+                rebind(optimizer, shards, region)
+            self.optimizers[region] = optimizer
 
     def _drop_foreign(self, model: nn.Module, named: dict[str, nn.Parameter]) -> None:
         """Keep only this rank's shard: parameters no local region reads become empty."""
@@ -220,7 +227,7 @@ class RankState:
     def _held(self) -> dict[str, torch.Tensor]:
         """Views of the parameters this rank keeps between steps: each bucket's flat parameters
         (its ZeRO-3 shard, all it holds then) and each unbucketed parameter."""
-        held = {f"bucket:{region}:{index}": (bucket.shard_data() if bucket.zero == 3 and bucket.shard is not None
+        held = {f"bucket:{region}:{index}": (bucket.shard_flat if bucket.shard_flat is not None
                                              else bucket.flat[:bucket.numel])
                 for (region, index), bucket in self.buckets.items()}
         held.update({name: p.detach() for name, p in self.unbucketed().items()})
@@ -251,16 +258,21 @@ class RankState:
         for (r, _), bucket in self.buckets.items():
             if r != region:
                 continue
-            if bucket.shard is not None:
-                flat, slot, n = (bucket.shard.grad if grads else bucket.shard_data()), bucket.index, bucket.n
-            else:
-                flat, slot, n = (bucket.flat_grad(take=False) if grads else bucket.flat[:bucket.numel]), 0, 1
-                flat = flat[:bucket.numel]
+            tag = (self.ep if ep > 1 else 0, ep)
+            if bucket.shards:  # one piece per parameter: this member's rows of it
+                for p, shard in zip(bucket.params, bucket.shards):
+                    t = shard.grad if grads else shard.detach()
+                    if t is None:
+                        t = torch.zeros_like(shard)
+                    out.append(Piece((self._names[id(p)],), (tuple(p.shape),), bucket.index, bucket.n, *tag,
+                                     t.detach().flatten().to("cpu", copy=True), self.rank))
+                continue
+            flat = bucket.flat_grad(take=False) if grads else bucket.flat
             names = tuple(self._names[id(p)] for p in bucket.params)
-            out.append(Piece(names, tuple(tuple(p.shape) for p in bucket.params), slot, n,
-                             self.ep if ep > 1 else 0, ep, flat.detach().to("cpu", copy=True), self.rank))
+            out.append(Piece(names, tuple(tuple(p.shape) for p in bucket.params), 0, 1, *tag,
+                             flat[:bucket.numel].detach().to("cpu", copy=True), self.rank))
         for name, p in self._unbucketed.get(region, {}).items():
-            t = p.grad if grads else p
+            t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
             out.append(Piece((name,), (tuple(p.shape),), 0, 1, self.ep if ep > 1 else 0, ep,
                              t.detach().flatten().to("cpu", copy=True), self.rank))
         return out

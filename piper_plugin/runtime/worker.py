@@ -103,7 +103,7 @@ class Worker:
         """Parameters, gradients and optimizer state this rank keeps through a step."""
         tensors = []
         for bucket in self.state.buckets.values():
-            tensors += [bucket.flat] + ([bucket.shard] if bucket.shard is not None else [])
+            tensors += [bucket.flat] + ([bucket.shard_flat] if bucket.shard_flat is not None else [])
         tensors += list(self.state.unbucketed().values())
         for optimizer in self.state.optimizers.values():
             for per_param in optimizer.state.values():
