@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ASSETS", "DATASET", "use_cpu_device", "use_sdpa_attention", "offline_assets",
+__all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "use_sdpa_attention", "offline_assets",
            "register_dataset", "apply_cpu_fixes", "on_cpu", "peak_rss_bytes", "reset_peak_rss", "cpu_attention"]
 
 import piper_plugin as _piper
@@ -263,6 +263,17 @@ def offline_assets(config: Any) -> Any:
         if hasattr(vloader, "dataset_path"):
             vloader.dataset_path = str(ASSETS / "corpus.jsonl")
     return config
+
+
+def sum_reductions_on_gloo(model_parts: list[Any]) -> None:
+    """FSDP reduces with ``PREMUL_SUM``, which gloo lacks: reduce with a plain sum (TorchTitan
+    divides nothing there: its loss is already over the global token count)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def apply_cpu_fixes(config: Any) -> Any:

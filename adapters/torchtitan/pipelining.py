@@ -8,6 +8,7 @@ exactly as TorchTitan places them). Every rank compiles the same plan and checks
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -25,6 +26,10 @@ from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, c
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
 from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
+from piper_plugin.adapters.torchtitan.titan_log import say_fsdp_withheld
+from piper_plugin.adapters.torchtitan.zero import (
+    check_parallelism, check_withheld, plan_replicas, shard_faces, shard_mesh, withhold_fsdp, zero_level,
+)
 
 __all__ = ["make_pipelining_fn", "pipeline_with_piper", "RECIPE_OF_SCHEDULE", "recipe_for"]
 
@@ -48,21 +53,24 @@ def recipe_for(schedule: str) -> str:
     return RECIPE_OF_SCHEDULE[name]
 
 
-def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int) -> tuple[str, Callable[[Any], Schedule]]:
+def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: int = 1,
+                 zero: int = 0) -> tuple[str, Callable[[Any], Schedule]]:
     """(label, program -> Schedule) for a recipe name, a Python recipe file or a JSON trace."""
     try:
         loaded = recipes.load(recipe)
     except recipes.RecipeError as exc:
         raise ValueError(f"--piper.recipe: {exc}") from None
     chunks = max(1, stages // pp)
-    return loaded.name, lambda program: loaded.schedule(program, pp=pp, microbatches=microbatches, chunks=chunks)
+    return loaded.name, lambda program: loaded.schedule(program, pp=pp, dp=dp, microbatches=microbatches,
+                                                        chunks=chunks, zero=zero)
 
 
 def _compile(program, schedule_fn, world: int, split_last_backward: bool):
     compiled = compile_program(program, schedule_fn, split_last_backward=split_last_backward)
     if compiled.plan.grid.world_size != world:
-        raise ValueError(f"the Piper schedule needs {compiled.plan.grid.world_size} ranks but the pipeline has {world}: "
-                         f"the Piper engine runs pipeline parallelism only (set every other degree to 1)")
+        raise ValueError(f"the Piper schedule needs {compiled.plan.grid.world_size} ranks but the pipeline x "
+                         f"data_parallel_shard_degree has {world}: a --piper.recipe trace fixes its own grid; "
+                         f"record it for this mesh")
     return compiled  # its plan hash is the same in every process
 
 
@@ -71,12 +79,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                         options=None, alternate: bool = False) -> tuple[Any, list[nn.Module], bool, bool]:
     """TorchTitan's ``pipelining_fn`` contract; ``alternate`` also builds TorchTitan's own schedule
     over the same parts and alternates the two step by step (:mod:`.alternate`)."""
-    pp, dp = parallel_dims.pp, parallel_dims.dp_replicate
-    if parallel_dims.world_size != pp * dp:
-        raise ValueError(
-            f"--parallelism.pipeline_engine=piper runs pipeline x data_parallel_replicate parallelism for now "
-            f"(pp={pp}, dp_replicate={dp}, world={parallel_dims.world_size}); set data_parallel_shard_degree, "
-            f"tensor/context/expert parallel degrees to 1, or use pipeline_engine=torch")
+    check_parallelism(parallel_dims)
+    zero = zero_level(parallelism, options)
+    pp, dp = parallel_dims.pp, parallel_dims.dp_replicate  # dp: copies of the plan TorchTitan reduces
+    shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         num_stages, num_layers, input_weight, output_weight)
@@ -87,17 +93,18 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                          f"pipeline_parallel_microbatch_size {mbs}")
     microbatches = training.local_batch_size // mbs
     recipe = getattr(options, "recipe", None) or recipe_for(parallelism.pipeline_parallel_schedule)
-    label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages)
+    label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages, dp=shards,
+                                      zero=zero or 0)
     dtype = next(model.parameters()).dtype
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size")
     sizes = dict(microbatch_size=mbs, microbatches=microbatches, seq_len=training.seq_len, hidden_dim=dim,
-                 dtype=dtype, model_type=type(model).__name__)
+                 dtype=dtype, model_type=type(model).__name__, data_shards=shards)
 
     # 1. every stage on the meta device; the recipe's placement says which are ours
     parts = [_split_module(model, names) for names in fqns]
     split_last_backward = ac_config is None  # AC may allow only one backward through a stage
     try:
-        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp, split_last_backward).plan
+        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp * shards, split_last_backward).plan
     except (DirectiveError, recipes.RecipeError) as exc:
         raise ValueError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
                          f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
@@ -107,26 +114,38 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 2. SPMD parallelisms (AC, compile, ...) on our parts, as TorchTitan's pipeline_llm does
     model_parts: dict[int, nn.Module] = {}
+    if zero is not None:
+        say_fsdp_withheld(f"FSDP withheld: Piper's ZeRO-{zero} shards the parameters over {shards} data-parallel ranks")
     for s in local:
-        model_parts[s] = parallelize_fn(parts[s], parallel_dims=parallel_dims, training=training,
-                                        parallelism=parallelism, compile_config=compile_config,
-                                        ac_config=ac_config, dump_folder=dump_folder)
+        withheld: list[dict[str, Any]] = []
+        with withhold_fsdp(withheld) if zero is not None else contextlib.nullcontext():
+            model_parts[s] = parallelize_fn(parts[s], parallel_dims=parallel_dims, training=training,
+                                            parallelism=parallelism, compile_config=compile_config,
+                                            ac_config=ac_config, dump_folder=dump_folder)
+        if zero is not None:
+            check_withheld(withheld, parallelism, training, model_parts[s])
         parts[s] = model_parts[s]
         logger.info(f"Piper: PP rank {pp_rank} holds stage {s} with modules {fqns[s]}")
 
     # 3. the plan over the parts as they will run (parameter names after wrapping)
     program = build_stage_program(parts, **sizes)
-    compiled = _compile(program, schedule_fn, pp, split_last_backward)
+    compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
+    if zero is not None:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
+        for s in local:
+            shard_faces(model_parts[s], shard_mesh(parallel_dims))
+        pp_rank = plan.grid.rank(pp_rank, shard_mesh(parallel_dims).get_local_rank())
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
-    logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{replicas}, {microbatches} microbatches, "
-                f"plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
+    sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
+    logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
+                f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, replicas=_replicas(parallel_dims))
+                                     recipe=label, replicas=(plan_replicas(parallel_dims, plan.grid)
+                                                             if zero is not None else _replicas(parallel_dims)))
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
                                   training=training, device=device, loss_fn=loss_fn)

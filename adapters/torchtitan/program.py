@@ -86,14 +86,16 @@ def _param_info(part: nn.Module, stage: int) -> dict[str, tuple[tuple[int, ...],
 
 
 def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, microbatches: int, seq_len: int,
-                        hidden_dim: int, dtype: torch.dtype, model_type: str = "") -> StageProgram:
+                        hidden_dim: int, dtype: torch.dtype, model_type: str = "",
+                        data_shards: int = 1) -> StageProgram:
     """The single-device DAG of ``len(parts)`` stages (parts may live on the meta device).
 
-    Sizes are for the whole local batch (``microbatch_size * microbatches`` sequences); the
-    hidden state between stages is ``[batch, seq_len, hidden_dim]`` of ``dtype``.
+    Sizes are for the batch of one plan (``microbatch_size * microbatches`` sequences per data
+    shard, ``data_shards`` of them when Piper's plan has a data-parallel axis); the hidden state
+    between stages is ``[batch, seq_len, hidden_dim]`` of ``dtype``.
     """
     num = len(parts)
-    batch = microbatch_size * microbatches
+    batch = microbatch_size * microbatches * data_shards
     hidden_bytes = batch * seq_len * hidden_dim * torch.finfo(dtype).bits // 8
     regions: dict[str, Region] = {}
     param_bytes: dict[str, int] = {}

@@ -6,7 +6,8 @@ clears handlers, not filters). Each rule rewrites the first matching record and 
 * "Pipeline Parallel loss is not visible. Please add rank R to LOG_RANK": dropped when LOG_RANK
   is unset (every rank's log is shown, that rank's too); :func:`say_loss_rank` then has the
   rank holding the last pipeline stage say that it prints the loss;
-* "Applied FSDP to the model" where the FSDP degree is 1 (pipeline-only runs): said as what it is;
+* "Applied FSDP to the model" where the FSDP degree is 1 (pipeline-only runs), or where Piper's
+  ZeRO withheld FSDP (:func:`say_fsdp_withheld`): said as what it is;
 * on CPU, "Error running lspci", "Peak flops undefined for: cpu, fallback to A100" (logged twice)
   and "Peak FLOPS used for computing MFU: 3.120e+14": one line "CPU: peak FLOPs unknown, MFU not
   reported" (:func:`skip_mfu` makes that true).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["TitanLogFilter", "install", "say_loss_rank", "skip_mfu"]
+__all__ = ["TitanLogFilter", "install", "say_loss_rank", "skip_mfu", "say_fsdp_withheld"]
 
 _PP_LOSS = "Pipeline Parallel loss is not visible"
 _FSDP = "Applied FSDP to the model"
@@ -32,12 +33,15 @@ class TitanLogFilter(logging.Filter):
         super().__init__()
         self.cpu = cpu
         self.fsdp_degree_1 = False  # set once TorchTitan's parallel dims are known
+        self.fsdp_withheld: str | None = None  # what shards the parameters instead, under Piper's ZeRO
         self._said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if _PP_LOSS in message:
             return bool(os.environ.get("LOG_RANK"))  # a LOG_RANK that hides the loss rank: TorchTitan is right
+        if self.fsdp_withheld and message == _FSDP:
+            return self._once(record, self.fsdp_withheld)
         if self.fsdp_degree_1 and message == _FSDP:
             return self._once(record, _FSDP_TRUE)
         if self.cpu and message.startswith(_CPU_FLOPS):
@@ -62,6 +66,13 @@ def install(*, cpu: bool) -> TitanLogFilter:
     log_filter = TitanLogFilter(cpu=cpu)
     root.addFilter(log_filter)
     return log_filter
+
+
+def say_fsdp_withheld(text: str) -> None:
+    """TorchTitan's "Applied FSDP to the model" is said as ``text`` (FSDP was withheld)."""
+    for existing in logging.getLogger().filters:
+        if isinstance(existing, TitanLogFilter):
+            existing.fsdp_withheld = text
 
 
 def say_loss_rank(trainer) -> None:

@@ -40,6 +40,10 @@ class PiperOptions:
     timeout_s: float = 300.0
     """A pipeline step that makes no progress for this long fails with the waiting task named."""
 
+    zero: int | None = None
+    """Piper's ZeRO level (0-3) over --parallelism.data_parallel_shard_degree; unset: from
+    --parallelism.fsdp_reshard_after_forward (never: 2; default, always: 3)."""
+
 
 class PiperTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
@@ -62,6 +66,7 @@ class PiperTrainer(Trainer):
         titan_log.say_loss_rank(self)
         if on_cpu:
             titan_log.skip_mfu(self)
+            cpu.sum_reductions_on_gloo(self.model_parts)
 
     def init_distributed(self):
         dims = super().init_distributed()

@@ -115,6 +115,8 @@ def _update(state: RankState, node: Node) -> None:
     optimizer = state.optimizers[node.region]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if getattr(optimizer, "host_steps", False):
+        return  # the host reads the shards' gradients after the step (HostFaces) and steps itself
     for (region, _), bucket in state.buckets.items():
         if region == node.region:
             bucket.step_done()

@@ -25,10 +25,11 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
-__all__ = ["DistComm", "communicator_specs"]
+__all__ = ["DistComm", "communicator_specs", "all_gather_flat"]
 
 # flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = _all_gather
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -105,6 +106,10 @@ class DistComm:
         dag = self.plan.dag
         peer = self.plan.grid.peer(self.rank, dag.meta.placement[dag.nodes[node.peer].region])
         return self.process_rank[peer], self.groups[(node.stream, tuple(sorted((self.rank, peer))))]
+
+    def group_of(self, node: Node) -> dist.ProcessGroup:
+        """The communicator of collective ``node`` on this rank."""
+        return self._group(node)[1]
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
         members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)

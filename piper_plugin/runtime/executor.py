@@ -9,8 +9,10 @@ streams were decided when the plan was made), so nothing here depends on the rec
 Invariants: ``step`` runs exactly the rank's plan once and returns with every send completed;
 losses are the loss region's outputs times ``loss_scale`` (default: the full-batch mean, 1 /
 (microbatches x data shards)); with ``optimizer_fn=None`` UPDATE tasks leave the gradients in
-``param.grad`` for the host's own optimizer (refused for regions with ZeRO >= 1, whose gradients
-live in shards). ``eval`` runs forwards only, region by region in
+``param.grad`` for the host's own optimizer; parameters Piper shards (ZeRO >= 1) are then
+registered between steps as DTensor faces of this rank's shards with the reduced shard
+gradients (:mod:`~piper_plugin.runtime.host_faces`), and a model handed over with DTensor
+parameters (sharded by the host before initialisation) is taken over as such. ``eval`` runs forwards only, region by region in
 region order, so every rank issues its messages in one global order.
 """
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin.ir.capture import Program
-from piper_plugin.ir.nodes import COMPUTE
+from piper_plugin.ir.nodes import COMPUTE, Kind
 from piper_plugin.runtime.compute import run_compute
-from piper_plugin.runtime.dist_comm import DistComm
+from piper_plugin.runtime.dist_comm import DistComm, all_gather_flat
+from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
 from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
 from piper_plugin.runtime.value_specs import ValueSpec
@@ -79,7 +82,10 @@ class ExecutorConfig:
 
 class HostOptimizer:
     """The optimizer UPDATE tasks call when the host steps its own: nothing. The host clips and
-    steps the parameters itself, reading the gradients left in ``param.grad``."""
+    steps the parameters itself, reading the gradients left in ``param.grad`` (or in the faces'
+    ``.grad`` for ZeRO shards)."""
+
+    host_steps = True
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = list(params)
@@ -111,12 +117,8 @@ class Executor:
                  config: ExecutorConfig = ExecutorConfig(), after_task: Callable[[str], None] | None = None):
         self.plan, self.program, self.rank, self.config = plan, program, rank, config
         self.specs = dict(specs)
+        adopted = unwrap_faces(model) if optimizer_fn is None else {}
         self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer)
-        sharded = sorted({region for (region, _), b in self.state.buckets.items() if b.zero >= 1})
-        if optimizer_fn is None and sharded:
-            raise ValueError(f"optimizer_fn=None (the host steps its own optimizer) needs whole gradients in "
-                             f"param.grad, but regions {sharded} are replicated with ZeRO >= 1 (their gradients "
-                             f"and updates live in shards): use replicate(zero=0) or pass Piper an optimizer_fn")
         self.state.snapshot_grads = config.capture_grads
         if config.loss_scale is not None:
             self.state.scale = config.loss_scale
@@ -129,6 +131,28 @@ class Executor:
         self.runner = StreamRunner(plan.ranks[rank], self._execute, config.runner(), describe=self._describe,
                                    device=self.device, after=after_task)
         self._eval_group = None  # made on first eval (a collective over the replica's ranks)
+        self.faces: HostFaces | None = None
+        if optimizer_fn is None and any(b.shards for b in self.state.buckets.values()):
+            self.faces = HostFaces(model, self.state.buckets, self._bucket_group, adopted, self.device.type)
+        elif adopted:
+            raise ValueError("the model has DTensor parameters but Piper steps the optimizer (optimizer_fn given) or "
+                             "keeps them whole (ZeRO 0): pass optimizer_fn=None and replicate with zero >= 1, or "
+                             "give Piper plain parameters")
+        self._stepped = False
+
+    def _bucket_group(self, key) -> dist.ProcessGroup:
+        """The communicator of bucket ``key``'s gradient reductions on this rank."""
+        region, index = key
+        node = next(n for n in self.plan.dag.nodes.values()
+                    if n.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and n.region == region
+                    and n.bucket == index and self.rank in n.devices)
+        return self.comm.group_of(node)
+
+    def _gather(self, key, shard: torch.Tensor) -> torch.Tensor:
+        group = self._bucket_group(key)
+        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
+        all_gather_flat(out, shard.contiguous(), group=group)
+        return out
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *, batch: Mapping[str, torch.Tensor] | None = None,
@@ -151,13 +175,26 @@ class Executor:
                                    for name, values in state.inputs.items())
         state.meter.begin_step(state.batch_shapes)
         self._compute_context = compute_context
+        if self.faces is not None:
+            self._faces_out()
         try:
             self.runner.run_step()
             self.comm.wait_sends()
         finally:
             self._compute_context = None
             state.inputs = {}  # the step's inputs are let go with it
+            if self.faces is not None:
+                self.faces.faces_in()
         return list(state.losses)
+
+    def _faces_out(self) -> None:
+        """Before a step under a host optimizer over faces: the host stepped the shards since the
+        last one (ZeRO-1/2 gather them whole again) and took their gradients."""
+        self.faces.new_step()
+        if self._stepped:
+            self.faces.refresh(self._gather)
+        self._stepped = True
+        self.faces.compute_in()
 
     def shard(self, batch: Mapping[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """This rank's data shard of the global ``batch``, on its device, cut into microbatches
@@ -216,6 +253,18 @@ class Executor:
                              f"are ZeRO-3 or expert-sharded: evaluate with replicate(zero<=2) and no shard()")
         if self._eval_group is None:
             self._eval_group = self._eval_groups()
+        if self.faces is None:
+            return self._eval(microbatches)
+        if self._stepped:  # the host may have stepped the shards since they were gathered
+            self.faces.refresh(self._gather)
+        self.faces.compute_in()
+        try:
+            return self._eval(microbatches)
+        finally:
+            self.faces.faces_in()
+
+    def _eval(self, microbatches: Mapping[str, Sequence[Any]]) -> list[torch.Tensor]:
+        state, dag, grid = self.state, self.plan.dag, self.plan.grid
         placement, me = dag.meta.placement, grid.coords(self.rank)[0]
         regions = sorted(dag.regions.values(), key=lambda r: r.index)
         producer = {v: r.name for r in regions for v in r.outputs}

@@ -45,6 +45,8 @@ def rebind(optimizer: torch.optim.Optimizer, shards: dict[int, nn.Parameter], re
     """Replace every parameter of ``optimizer``'s groups found in ``shards`` (by id) with its
     shard. Refuses an optimizer that holds state already or whose update is not element-wise."""
     name = type(optimizer).__name__
+    if getattr(optimizer, "host_steps", False):
+        return  # the host steps its own optimizer over the shards' DTensor faces
     if not is_elementwise(optimizer):
         raise ValueError(
             f"region {region!r} is replicated with ZeRO >= 1, so its optimizer steps shards of each parameter, "

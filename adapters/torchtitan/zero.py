@@ -1,0 +1,151 @@
+"""``--parallelism.data_parallel_shard_degree D`` under the Piper engine: Piper's ZeRO, not FSDP.
+
+The pipeline plan gets a data-parallel axis of ``D`` ranks with ``replicate(zero=level)`` over
+every stage; the level is TorchTitan's own knob (``--parallelism.fsdp_reshard_after_forward``:
+``never`` -> ZeRO-2, ``default`` / ``always`` -> ZeRO-3) unless ``--piper.zero`` sets it.
+TorchTitan's ``parallelize_fn`` still applies activation checkpointing (and the rest of its
+SPMD work) to each stage, but its ``fully_shard`` calls are withheld (:func:`withhold_fsdp`):
+Piper gathers, frees and reduce-scatters the parameters per microbatch as its plan orders.
+Each parameter is registered as a DTensor face (``Shard(0)`` over TorchTitan's ``fsdp``
+mesh, FSDP2's layout) while still on the meta device (:func:`shard_faces`), so TorchTitan's
+``init_weights`` initialises exactly what FSDP2 would, and its optimizer, gradient clipping and
+DCP checkpoints see the parameters as they would under FSDP2
+(:mod:`piper_plugin.runtime.host_faces` keeps the faces on Piper's shards).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["zero_level", "check_parallelism", "withhold_fsdp", "check_withheld", "shard_faces", "shard_mesh",
+           "plan_replicas"]
+
+_LEVEL_OF_RESHARD = {"never": 2, "default": 3, "always": 3}
+
+
+def zero_level(parallelism, options) -> int | None:
+    """The ZeRO level Piper runs, or None when there is no data-parallel shard axis."""
+    level = getattr(options, "zero", None)
+    if parallelism.data_parallel_shard_degree in (1, 0):
+        if level is not None:
+            raise ValueError(f"--piper.zero {level} needs --parallelism.data_parallel_shard_degree > 1 (the ranks "
+                             f"ZeRO shards over); drop --piper.zero or set the shard degree")
+        return None
+    if level is None:
+        return _LEVEL_OF_RESHARD[parallelism.fsdp_reshard_after_forward]
+    if level not in (0, 1, 2, 3):
+        raise ValueError(f"--piper.zero {level}: the ZeRO level is 0, 1, 2 or 3")
+    return level
+
+
+def check_parallelism(parallel_dims) -> None:
+    """The meshes Piper's engine runs: pp x dp_shard (ZeRO) or pp x dp_replicate."""
+    unsupported = [(flag, degree) for flag, degree in (
+        ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp),
+        ("expert_parallel_degree", parallel_dims.ep)) if degree > 1]
+    if unsupported:
+        flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
+        raise ValueError(f"{flags}: the Piper engine runs pipeline x data parallelism (ZeRO over "
+                         f"data_parallel_shard_degree, or data_parallel_replicate_degree); set "
+                         f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
+                         f"--parallelism.pipeline_engine torch")
+    if parallel_dims.dp_shard > 1 and parallel_dims.dp_replicate > 1:
+        raise ValueError(f"--parallelism.data_parallel_replicate_degree {parallel_dims.dp_replicate} with "
+                         f"--parallelism.data_parallel_shard_degree {parallel_dims.dp_shard}: the Piper engine "
+                         f"shards over one data-parallel axis; set the replicate degree to 1 (ZeRO over all "
+                         f"{parallel_dims.dp_replicate * parallel_dims.dp_shard} data-parallel ranks: shard degree "
+                         f"{parallel_dims.dp_replicate * parallel_dims.dp_shard})")
+
+
+@contextlib.contextmanager
+def withhold_fsdp(calls: list[dict[str, Any]]) -> Iterator[None]:
+    """Within the block TorchTitan's ``fully_shard`` (bound by name in each of its modules)
+    records its keyword arguments in ``calls`` and leaves the module as it is."""
+    from torch.distributed.fsdp import fully_shard
+
+    def withheld(module, **kwargs):
+        calls.append(kwargs)
+        return module
+
+    patched = [(m, name) for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("torchtitan")
+               for name in ("fully_shard",) if getattr(m, name, None) is fully_shard]
+    for module, name in patched:
+        setattr(module, name, withheld)
+    try:
+        yield
+    finally:
+        for module, name in patched:
+            setattr(module, name, fully_shard)
+
+
+def check_withheld(calls: list[dict[str, Any]], parallelism: Any, training: Any, part: nn.Module) -> None:
+    """What FSDP would have done that Piper's ZeRO does not do (yet): refuse it by flag."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in part.modules()):
+        raise ValueError("this model's parallelize_fn applied FSDP in a way Piper cannot take over; run "
+                         "--parallelism.data_parallel_shard_degree with --parallelism.pipeline_engine torch")
+    dtype = next((p.dtype for p in part.parameters()), torch.float32)
+    for kwargs in calls:
+        policy = kwargs.get("mp_policy")
+        wanted = getattr(policy, "param_dtype", None)
+        if wanted is not None and wanted != dtype:
+            raise ValueError(f"--training.mixed_precision_param {training.mixed_precision_param} with the Piper engine's "
+                             f"ZeRO (data_parallel_shard_degree > 1): Piper's ZeRO computes in the parameters' dtype "
+                             f"({str(dtype).removeprefix('torch.')}); pass --training.mixed_precision_param "
+                             f"{str(dtype).removeprefix('torch.')}")
+        if kwargs.get("offload_policy") is not None:
+            raise ValueError("--training.enable_cpu_offload with the Piper engine's ZeRO: not supported; turn it off")
+
+
+def shard_faces(part: nn.Module, mesh) -> None:
+    """Register every parameter of ``part`` (on the meta device) as a DTensor face sharded
+    ``Shard(0)`` over ``mesh``, with the local shape FSDP2 gives it (rows cut like
+    ``torch.chunk``), so initialising the part fills exactly this rank's rows."""
+    n, me = mesh.size(), mesh.get_local_rank()
+    faces: dict[int, nn.Parameter] = {}
+    for module in part.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            face = faces.get(id(p))
+            if face is None:
+                rows = p.shape[0] if p.dim() else 1
+                chunk = -(-rows // n)
+                mine = max(0, min(chunk, rows - me * chunk))
+                local = torch.empty((mine, *p.shape[1:]) if p.dim() else (mine,), dtype=p.dtype, device=p.device)
+                face = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                                       stride=p.stride()), requires_grad=p.requires_grad)
+                faces[id(p)] = face
+            module._parameters[name] = face
+
+
+def shard_mesh(parallel_dims):
+    """TorchTitan's data-parallel shard mesh (flattened ``fsdp`` in its legacy backend,
+    ``dp_shard`` in the SPMD ones)."""
+    mesh = parallel_dims.get_optional_mesh("fsdp") if "fsdp" in _mesh_names(parallel_dims) else None
+    return mesh if mesh is not None else parallel_dims.get_mesh("dp_shard")
+
+
+def _mesh_names(parallel_dims) -> set[str]:
+    try:
+        parallel_dims.get_optional_mesh("fsdp")
+        return {"fsdp"}
+    except ValueError:
+        return set()
+
+
+def plan_replicas(parallel_dims, grid) -> list[list[int]]:
+    """Process rank of every plan rank (one replica): plan rank ``grid.rank(pp, d)`` is the
+    process at pipeline rank ``pp`` and ``fsdp`` mesh rank ``d`` (a collective)."""
+    mine = (parallel_dims.get_mesh("pp").get_local_rank(), shard_mesh(parallel_dims).get_local_rank())
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    where = {coords: process for process, coords in enumerate(everyone)}
+    return [[where[grid.coords(r)[:2]] for r in range(grid.world_size)]]
