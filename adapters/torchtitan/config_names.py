@@ -3,7 +3,8 @@
 Stock config functions are read from the source of each model's ``config_registry.py`` (its
 top-level public functions annotated to return a ``...Config``), so a launcher checks a name
 in milliseconds before any rank starts (importing TorchTitan takes ~10 s). Piper's drop-ins
-are ``<stock>_pp2_<schedule>``. Invariant: every name :func:`unknown` accepts resolves in
+are ``<stock>_pp2_<schedule>`` and, with ZeRO over 2 data-parallel ranks (4 ranks),
+``<stock>_pp2_dp2_zero<level>`` (1F1B) and ``<stock>_pp2_dp2_zero<level>_<schedule>``. Invariant: every name :func:`unknown` accepts resolves in
 :mod:`.config_registry` (which imports the stock function); a stock model that does not import
 on this machine is accepted here and named with its import error there.
 """
@@ -16,13 +17,24 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["MODELS", "SCHEDULES", "DROP_IN", "stock_configs", "unknown"]
+__all__ = ["MODELS", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "drop_in", "stock_configs", "unknown"]
 
 # The model packages searched for stock config functions, in this order.
 MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
 # ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
 DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
+# ``<stock config>_pp2_dp2_zero<level>[_<schedule>]``: 2 pipeline x 2 data-parallel ranks, Piper's ZeRO.
+ZERO_DROP_IN = re.compile(r"(.+)_pp2_dp2_zero([123])(?:_(" + "|".join(SCHEDULES) + "))?")
+
+
+def drop_in(name: str) -> tuple[str, str, int | None] | None:
+    """(stock config, schedule key, ZeRO level or None) of a drop-in name; None for other names."""
+    zero = ZERO_DROP_IN.fullmatch(name)
+    if zero:
+        return zero[1], zero[3] or "1f1b", int(zero[2])
+    plain = DROP_IN.fullmatch(name)
+    return (plain[1], plain[2], None) if plain else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,12 +66,12 @@ def unknown(name: str) -> str:
     every = [n for names in stock.values() for n in names]
     if not stock or name in every:
         return ""
-    drop_in = DROP_IN.fullmatch(name)
-    if drop_in and drop_in[1] in every:
+    parsed = drop_in(name)
+    if parsed and parsed[0] in every:
         return ""
-    if drop_in:
-        head = f"the drop-in needs a stock config named {drop_in[1]!r}, and there is none"
-        close = difflib.get_close_matches(drop_in[1], every, n=3)
+    if parsed:
+        head = f"the drop-in needs a stock config named {parsed[0]!r}, and there is none"
+        close = difflib.get_close_matches(parsed[0], every, n=3)
     else:
         head = "not a config function of piper_plugin.adapters.torchtitan"
         close = difflib.get_close_matches(name, every + [f"{n}_pp2_1f1b" for n in every], n=3)
@@ -67,4 +79,6 @@ def unknown(name: str) -> str:
     listing = "; ".join(f"{model}: {', '.join(names)}" for model, names in stock.items())
     return (f"{head}{suggestion}. Stock TorchTitan configs, by model: {listing}. Piper drop-ins: "
             f"<stock>_pp2_<schedule> with schedule {', '.join(SCHEDULES)} (2 pipeline ranks run by Piper; "
-            f"stock configs without tied embeddings), e.g. llama3_debugmodel_pp2_1f1b, deepseek_v3_debugmodel_pp2_1f1b")
+            f"stock configs without tied embeddings), e.g. llama3_debugmodel_pp2_1f1b, deepseek_v3_debugmodel_pp2_1f1b; "
+            f"<stock>_pp2_dp2_zero<1|2|3>[_<schedule>] (4 ranks: 2 pipeline x 2 data-parallel with Piper's ZeRO), "
+            f"e.g. llama3_debugmodel_pp2_dp2_zero3")

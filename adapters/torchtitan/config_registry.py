@@ -4,7 +4,9 @@ Every stock TorchTitan config function is reachable here by its own name (``llam
 ``deepseek_v3_debugmodel``, ...): it returns the stock config as a ``PiperTrainer.Config`` (so
 ``--parallelism.pipeline_engine`` and ``--piper.*`` parse), with the CPU fixes applied when there
 is no accelerator. Drop-in configs set the pipeline for a quick start: ``<stock>_pp2_<schedule>``
-(schedule gpipe, 1f1b, interleaved or dualpipev) for any stock config without tied embeddings.
+(schedule gpipe, 1f1b, interleaved or dualpipev) for any stock config without tied embeddings,
+and ``<stock>_pp2_dp2_zero<1|2|3>[_<schedule>]``: 4 ranks, 2 pipeline x 2 data-parallel with
+Piper's ZeRO at that level (1F1B unless a schedule is named).
 
 Invariant: every public callable of this module is a config function (TorchTitan lists them
 when ``--config`` names none); helpers are private, and importing this module imports no
@@ -15,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Callable
 
-from piper_plugin.adapters.torchtitan.config_names import DROP_IN as _DROP_IN
+from piper_plugin.adapters.torchtitan.config_names import drop_in as _parse_drop_in
 from piper_plugin.adapters.torchtitan.config_names import MODELS as _MODELS
 from piper_plugin.adapters.torchtitan.config_names import SCHEDULES
 
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
     from piper_plugin.adapters.torchtitan.trainer import PiperTrainer
 
 __all__ = ["SCHEDULES", "llama3_debugmodel_pp2_1f1b", "llama3_debugmodel_pp2_interleaved",
-           "llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev", "deepseek_v3_debugmodel_pp2_1f1b"]
+           "llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev", "deepseek_v3_debugmodel_pp2_1f1b",
+           "llama3_debugmodel_pp2_dp2_zero1", "llama3_debugmodel_pp2_dp2_zero2", "llama3_debugmodel_pp2_dp2_zero3"]
 
 
 def _to_piper_config(stock_config: object) -> "PiperTrainer.Config":
@@ -64,24 +67,25 @@ def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
 def __getattr__(name: str):
     if name.startswith("_"):
         raise AttributeError(name)
-    match = _DROP_IN.fullmatch(name)
-    fn = _drop_in(name, match[1], match[2]) if match else _wrap(name)
+    parsed = _parse_drop_in(name)
+    fn = _drop_in(name, *parsed) if parsed else _wrap(name)
     globals()[name] = fn
     return fn
 
 
-def _drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
+def _drop_in(name: str, base: str, schedule: str, zero: int | None = None) -> Callable[[], PiperTrainer.Config]:
     _stock_config_fn(base)  # fail now, naming the missing stock config
 
     def config_fn() -> PiperTrainer.Config:
-        return _pp2(base, SCHEDULES[schedule])
+        return _pp2(base, SCHEDULES[schedule], zero=zero)
 
     config_fn.__name__ = config_fn.__qualname__ = name
-    config_fn.__doc__ = f"TorchTitan's {base}, 2 pipeline ranks, {SCHEDULES[schedule]} run by Piper."
+    sharded = f" x 2 data-parallel ranks with ZeRO-{zero}" if zero else ""
+    config_fn.__doc__ = f"TorchTitan's {base}, 2 pipeline ranks{sharded}, {SCHEDULES[schedule]} run by Piper."
     return config_fn
 
 
-def _pp2(base: str, schedule: str, engine: str = "piper", **training) -> PiperTrainer.Config:
+def _pp2(base: str, schedule: str, engine: str = "piper", zero: int | None = None, **training) -> PiperTrainer.Config:
     config = _to_piper_config(_stock_config_fn(base)())
     if getattr(config.model_spec.model, "enable_weight_tying", False):
         raise ValueError(f"{base} ties tok_embeddings and lm_head (enable_weight_tying), which TorchTitan rejects "
@@ -96,6 +100,12 @@ def _pp2(base: str, schedule: str, engine: str = "piper", **training) -> PiperTr
     config.checkpoint.enable = False
     config.validator.enable = False
     config.activation_checkpoint = None  # no AC: the CPU is compute-bound, and DualPipeV needs none/full
+    if zero is not None:  # 2 x 2 ranks: Piper's ZeRO over the data-parallel pair, FSDP's policy names the level
+        config.parallelism.data_parallel_shard_degree = 2
+        config.parallelism.data_parallel_replicate_degree = 1
+        config.parallelism.fsdp_reshard_after_forward = "never" if zero == 2 else "always"
+        config.piper.zero = zero
+        config.training.mixed_precision_param = "float32"  # Piper's ZeRO computes in the parameters' dtype
     return config
 
 
@@ -117,6 +127,21 @@ def llama3_debugmodel_pp2_interleaved() -> PiperTrainer.Config:
 def llama3_debugmodel_pp2_dualpipev() -> PiperTrainer.Config:
     """DualPipeV: 4 stages on 2 ranks in a V, run by Piper."""
     return _pp2("llama3_debugmodel", "DualPipeV")
+
+
+def llama3_debugmodel_pp2_dp2_zero1() -> PiperTrainer.Config:
+    """llama3 debug, 4 ranks: 2 pipeline (1F1B) x 2 data-parallel with ZeRO-1 (optimizer state sharded)."""
+    return _pp2("llama3_debugmodel", "1F1B", zero=1)
+
+
+def llama3_debugmodel_pp2_dp2_zero2() -> PiperTrainer.Config:
+    """As ``..._zero1`` with ZeRO-2: gradients reduce-scattered per microbatch, sharded too."""
+    return _pp2("llama3_debugmodel", "1F1B", zero=2)
+
+
+def llama3_debugmodel_pp2_dp2_zero3() -> PiperTrainer.Config:
+    """As ``..._zero1`` with ZeRO-3: parameters gathered per microbatch and freed after use."""
+    return _pp2("llama3_debugmodel", "1F1B", zero=3)
 
 
 def deepseek_v3_debugmodel_pp2_1f1b() -> PiperTrainer.Config:

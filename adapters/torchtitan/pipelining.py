@@ -132,9 +132,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
-    if zero is not None:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
+    if zero:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
         for s in local:
             shard_faces(model_parts[s], shard_mesh(parallel_dims))
+    if zero is not None:  # this process's rank in the pp x dp plan
         pp_rank = plan.grid.rank(pp_rank, shard_mesh(parallel_dims).get_local_rank())
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""

@@ -1,0 +1,70 @@
+"""Piper's ZeRO inside TorchTitan, in process: the drop-in names, the level from TorchTitan's
+own knob or ``--piper.zero``, and every mesh Piper cannot run refused by its flag."""
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.config import ConfigManager  # noqa: E402
+
+from piper_plugin.adapters.torchtitan import config_registry  # noqa: E402
+from piper_plugin.adapters.torchtitan.config_names import drop_in, unknown  # noqa: E402
+from piper_plugin.adapters.torchtitan.zero import check_parallelism, zero_level  # noqa: E402
+
+
+def test_zero_drop_ins_are_reachable_by_name():
+    for level in (1, 2, 3):
+        config = getattr(config_registry, f"llama3_debugmodel_pp2_dp2_zero{level}")()
+        assert config.parallelism.pipeline_engine == "piper" and config.piper.zero == level
+        assert config.parallelism.pipeline_parallel_degree == 2
+        assert config.parallelism.data_parallel_shard_degree == 2
+        assert config.parallelism.pipeline_parallel_schedule == "1F1B"
+    for schedule, name in (("gpipe", "GPipe"), ("interleaved", "Interleaved1F1B"), ("dualpipev", "DualPipeV")):
+        config = getattr(config_registry, f"deepseek_v3_debugmodel_pp2_dp2_zero3_{schedule}")()
+        assert config.parallelism.pipeline_parallel_schedule == name and config.piper.zero == 3
+    assert drop_in("llama3_debugmodel_pp2_dp2_zero2") == ("llama3_debugmodel", "1f1b", 2)
+    assert drop_in("llama3_debugmodel_pp2_dualpipev") == ("llama3_debugmodel", "dualpipev", None)
+    assert unknown("llama3_debugmodel_pp2_dp2_zero3_interleaved") == ""
+    assert "pp2_dp2_zero" in unknown("llama3_debugmode_pp2_dp2_zero3")
+
+
+def test_zero_flag_parses():
+    config = ConfigManager().parse_args(["--module", "piper_plugin.adapters.torchtitan", "--config",
+                                         "llama3_debugmodel", "--piper.zero", "2"])
+    assert config.piper.zero == 2
+
+
+def _parallelism(shard=2, reshard="default"):
+    return SimpleNamespace(data_parallel_shard_degree=shard, fsdp_reshard_after_forward=reshard)
+
+
+def test_the_level_comes_from_torchtitans_knob_or_the_piper_flag():
+    assert zero_level(_parallelism(reshard="default"), SimpleNamespace(zero=None)) == 3
+    assert zero_level(_parallelism(reshard="always"), SimpleNamespace(zero=None)) == 3
+    assert zero_level(_parallelism(reshard="never"), SimpleNamespace(zero=None)) == 2
+    assert zero_level(_parallelism(), SimpleNamespace(zero=1)) == 1
+    assert zero_level(_parallelism(shard=1), SimpleNamespace(zero=None)) is None
+    with pytest.raises(ValueError, match=r"--piper.zero 2 needs --parallelism.data_parallel_shard_degree > 1"):
+        zero_level(_parallelism(shard=1), SimpleNamespace(zero=2))
+    with pytest.raises(ValueError, match=r"--piper.zero 5: the ZeRO level is 0, 1, 2 or 3"):
+        zero_level(_parallelism(), SimpleNamespace(zero=5))
+
+
+def _dims(**degrees):
+    values = dict(tp=1, cp=1, ep=1, dp_shard=2, dp_replicate=1)
+    values.update(degrees)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize("degrees, flag", [
+    ({"tp": 2}, "--parallelism.tensor_parallel_degree 2"),
+    ({"cp": 2}, "--parallelism.context_parallel_degree 2"),
+    ({"ep": 2}, "--parallelism.expert_parallel_degree 2"),
+    ({"dp_replicate": 2}, "--parallelism.data_parallel_replicate_degree 2"),
+])
+def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):
+    with pytest.raises(ValueError, match=flag.replace(".", r"\.")) as info:
+        check_parallelism(_dims(**degrees))
+    assert "pipeline_engine torch" in str(info.value) or "set the replicate degree to 1" in str(info.value)
+    check_parallelism(_dims())  # pp x dp_shard runs
