@@ -89,3 +89,41 @@ def test_a_gather_fills_the_bucket_unless_a_copy_is_held():
         (consumer,) = plan.dag.data_succ[node.key]
         state.finished(consumer)
     assert bucket.refs == 0 and not bucket.materialized and state.meter.current == 0
+
+
+def test_rank_major_layout_cuts_each_parameter_like_torch_chunk():
+    """Member j's block holds chunk j (``torch.chunk`` along dim 0) of every parameter, zero-padded
+    to ceil(rows / n) rows; the layout round-trips, gradients included, for rows that do not
+    divide, fewer rows than members, vectors and scalars."""
+    from piper_plugin.runtime.buckets import FlatBucket
+
+    torch.manual_seed(0)
+    shapes = [(5, 3), (2,), (7, 2, 2), (), (1, 4), (8, 1)]
+    for n in (1, 2, 3, 4):
+        for index in range(n):
+            params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+            originals = [p.detach().clone() for p in params]
+            bucket = FlatBucket(params, zero=1, group_size=n, index_in_group=index)
+            blocks = bucket.to_rank_major(bucket.flat).view(n, bucket.shard_numel)
+            start = 0
+            for p, seg in zip(originals, bucket.segments):
+                rows = p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1)
+                chunks = list(rows.chunk(n)) if rows.shape[0] else []
+                for j in range(n):
+                    got = blocks[j, start:start + seg]
+                    want = chunks[j].reshape(-1) if j < len(chunks) else torch.zeros(0)
+                    assert torch.equal(got[:want.numel()], want) and not got[want.numel():].any()
+                start += seg
+            out = torch.zeros(bucket.padded)
+            bucket.from_rank_major(blocks.reshape(-1), out)
+            assert torch.equal(out[:bucket.numel], torch.cat([p.reshape(-1) for p in originals]))
+            for shard, p in zip(bucket.shards, originals):  # this member's rows, as views of the params
+                rows = p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1)
+                mine = list(rows.chunk(n))
+                assert torch.equal(shard.detach().reshape(-1),
+                                   mine[index].reshape(-1) if index < len(mine) else torch.zeros(0))
+            for p in params:
+                p.grad = torch.ones_like(p)
+            grads = bucket.flat_grad().view(n, bucket.shard_numel + bucket.flags)
+            assert torch.equal(grads[:, bucket.shard_numel:], torch.ones(n, len(params)))
+            assert grads[:, :bucket.shard_numel].sum() == sum(p.numel() for p in params)

@@ -81,27 +81,53 @@ class FlatBucket:
         start = self._offsets[i] + self.index * self.chunk_rows[i] * self.row_numel[i]
         return self.flat[start:start + rows * self.row_numel[i]].view(shape)
 
-    def to_rank_major(self, flat: torch.Tensor) -> torch.Tensor:
-        """A parameter-major flat tensor (``numel`` first elements used) in rank-major layout."""
-        out = flat.new_zeros(self.n * self.shard_numel)
-        blocks = out.view(self.n, self.shard_numel)
+    def _layout(self):
+        """Per parameter: (param-major offset, rows, elements per row, chunk rows, block start)."""
         start = 0
         for i, offset in enumerate(self._offsets):
-            size, seg = self.params[i].numel(), self.segments[i]
-            padded = flat.new_zeros(self.n * seg)
-            padded[:size] = flat[offset:offset + size]
-            blocks[:, start:start + seg] = padded.view(self.n, seg)
-            start += seg
+            yield offset, self.rows[i], self.row_numel[i], self.chunk_rows[i], start
+            start += self.segments[i]
+
+    def _scatter(self, src: torch.Tensor | None, offset_in_src: int, blocks: torch.Tensor, rows: int, row: int,
+                 chunk: int, start: int) -> None:
+        """Copy one parameter (``rows`` x ``row`` elements of ``src`` from ``offset_in_src``, or
+        zeros when ``src`` is None) into the rank-major ``blocks`` [n, >= shard_numel], padding
+        short and empty chunks with zeros. Two copies, no temporaries."""
+        seg = chunk * row
+        full = rows // chunk if chunk else 0
+        rest = rows - full * chunk
+        if src is None:
+            blocks[:, start:start + seg].zero_()
+            return
+        if full:
+            blocks[:full, start:start + seg].copy_(src[offset_in_src:offset_in_src + full * seg].view(full, seg))
+        if full < self.n:
+            tail = blocks[full:, start:start + seg]
+            tail.zero_()
+            if rest:
+                lo = offset_in_src + full * seg
+                blocks[full, start:start + rest * row].copy_(src[lo:lo + rest * row])
+
+    def to_rank_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """A parameter-major flat tensor (``numel`` first elements used) in rank-major layout."""
+        out = flat.new_empty(self.n * self.shard_numel)
+        blocks = out.view(self.n, self.shard_numel)
+        for offset, rows, row, chunk, start in self._layout():
+            self._scatter(flat, offset, blocks, rows, row, chunk, start)
         return out
 
     def from_rank_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
-        """Write a rank-major tensor into the parameter-major ``out``."""
+        """Write a rank-major tensor into the parameter-major ``out`` (two copies per parameter)."""
         blocks = gathered.view(self.n, self.shard_numel)
-        start = 0
-        for i, offset in enumerate(self._offsets):
-            size, seg = self.params[i].numel(), self.segments[i]
-            out[offset:offset + size] = blocks[:, start:start + seg].reshape(-1)[:size]
-            start += seg
+        for offset, rows, row, chunk, start in self._layout():
+            seg = chunk * row
+            full = rows // chunk if chunk else 0
+            rest = rows - full * chunk
+            if full:
+                out[offset:offset + full * seg].view(full, seg).copy_(blocks[:full, start:start + seg])
+            if rest:
+                lo = offset + full * seg
+                out[lo:lo + rest * row].copy_(blocks[full, start:start + rest * row])
 
     # -- parameters -----------------------------------------------------------------------
     @property
@@ -142,19 +168,27 @@ class FlatBucket:
     def flat_grad(self, take: bool = True) -> torch.Tensor:
         """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)
         for ZeRO 0, rank-major with each block's flags after it for ZeRO >= 1 (``take`` clears
-        p.grad)."""
-        grads = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
-        flags = torch.zeros(self.flags, dtype=self.flat.dtype, device=self.flat.device)
-        for i, (p, offset) in enumerate(zip(self.params, self._offsets)):
-            if p.grad is not None:
-                grads[offset:offset + p.numel()] = p.grad.flatten()
-                flags[i] = 1
-            if take:
-                p.grad = None
+        p.grad). Each gradient is copied once, straight into place."""
+        dtype, device = self.flat.dtype, self.flat.device
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
         if self.zero == 0:
-            return torch.cat([grads[:self.numel], flags])
-        blocks = self.to_rank_major(grads).view(self.n, self.shard_numel)
-        return torch.cat([blocks, flags.expand(self.n, self.flags)], dim=1).reshape(-1)
+            out = torch.empty(self.numel + self.flags, dtype=dtype, device=device)
+            for p, offset in zip(self.params, self._offsets):
+                target = out[offset:offset + p.numel()]
+                target.copy_(p.grad.reshape(-1)) if p.grad is not None else target.zero_()
+            out[self.numel:] = flags
+        else:
+            width = self.shard_numel + self.flags
+            out = torch.empty(self.n * width, dtype=dtype, device=device)
+            blocks = out.view(self.n, width)
+            for p, (_, rows, row, chunk, start) in zip(self.params, self._layout()):
+                grad = p.grad.reshape(-1) if p.grad is not None else None
+                self._scatter(grad, 0, blocks, rows, row, chunk, start)
+            blocks[:, self.shard_numel:] = flags
+        if take:
+            for p in self.params:
+                p.grad = None
+        return out
 
     def set_grad(self, reduced: torch.Tensor) -> None:
         """Write a full reduced gradient (:meth:`flat_grad`'s ZeRO-0 layout) into ``.grad`` of
