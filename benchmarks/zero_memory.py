@@ -1,0 +1,207 @@
+"""PP x ZeRO inside TorchTitan: memory against local batch, batch under a cap, tokens/s.
+
+Four ranks (pipeline 2 x ``data_parallel_shard_degree`` 2) run the same TorchTitan config
+through the real ``torchtitan.train`` entry point (torchrun) with every engine and level:
+
+* TorchTitan's own engine with FSDP, ``--parallelism.fsdp_reshard_after_forward`` ``default``
+  and ``always``;
+* the Piper engine with ``--piper.zero`` 0, 1, 2, 3 (FSDP withheld, Piper's ZeRO).
+
+Four microbatches per step (``pipeline_parallel_microbatch_size`` = local batch / 4); each run
+trains ``--steps`` steps. Reported per engine and local batch:
+
+* peak memory per rank: TorchTitan's own ``memory:`` figure of the last step, the largest over
+  the ranks. On CPU that is the rank process's peak RSS, reset after every step (the adapter's
+  CPU memory monitor), so it includes what every process holds anyway (interpreter, torch,
+  TorchTitan): the same for every engine, which makes the comparison under one cap fair. The
+  ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (unless set): glibc then returns every large
+  freed buffer to the system at once, so the peak RSS follows the tensors alive, not what an
+  allocator arena kept after buffers a thread freed (ZeRO-3 frees and regathers per microbatch);
+* the largest local batch that fits under a cap: the cap is TorchTitan's default engine's peak
+  at the ``--cap-batch`` batch, and every engine's largest swept batch whose peak stays under it;
+* tokens/s: median over ranks and the steps after the first of TorchTitan's ``tps``, and its
+  ratio to TorchTitan's engine at the same batch (``reshard always``). Runs of one batch follow
+  each other; four ranks share this machine's cores, so ratios compare engines within one
+  invocation only;
+* the resident state each level keeps per rank, as bytes from the parameter count (parameters,
+  gradients, AdamW state): what the level should save, next to what the peak shows.
+
+    python -m benchmarks.zero_memory                                  # the published table
+    python -m benchmarks.zero_memory --models llama3_debugmodel --batches 4 8 --steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import code_version, command_line, markdown_table, median, write_result
+from piper_plugin.adapters.torchtitan import run_titan
+
+__all__ = ["main", "build_parser", "ENGINES", "peak_memory_gib", "largest_under"]
+
+# (label, engine, flags)
+ENGINES = [
+    ("torch FSDP default", "torch", ["--parallelism.fsdp_reshard_after_forward", "default"]),
+    ("torch FSDP always", "torch", ["--parallelism.fsdp_reshard_after_forward", "always"]),
+    ("piper ZeRO-0", "piper", ["--piper.zero", "0"]),
+    ("piper ZeRO-1", "piper", ["--piper.zero", "1"]),
+    ("piper ZeRO-2", "piper", ["--piper.zero", "2"]),
+    ("piper ZeRO-3", "piper", ["--piper.zero", "3"]),
+]
+BASELINE = "torch FSDP always"
+CAPPED = "torch FSDP default"
+_MEMORY = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB")
+_PARAMS = re.compile(r"size: ([\d,]+) total parameters")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["llama3_debugmodel", "deepseek_v3_debugmodel"],
+                        help="stock TorchTitan configs; each runs as its drop-in <model>_pp2_1f1b on 4 ranks")
+    parser.add_argument("--batches", nargs="+", type=int, default=[4, 8, 16, 32],
+                        help="local batch sizes (multiples of 4: four microbatches)")
+    parser.add_argument("--seq-len", type=int, default=32, help="short sequences: parameters dominate")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cap-batch", type=int, default=None,
+                        help="the batch whose TorchTitan-default peak is the cap (default: the smallest)")
+    parser.add_argument("--out", type=Path, default=None, help="markdown result (default benchmarks/results/...)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG plot (default next to the markdown)")
+    return parser
+
+
+def peak_memory_gib(log: str, step: int) -> float | None:
+    """The largest ``memory:`` figure any rank printed for ``step``."""
+    values = [float(m[2]) for m in _MEMORY.finditer(log) if int(m[1]) == step]
+    return max(values) if values else None
+
+
+def largest_under(peaks: dict[int, float | None], cap: float) -> int:
+    """The largest batch whose peak is at most ``cap`` (0: none)."""
+    return max((b for b, p in peaks.items() if p is not None and p <= cap), default=0)
+
+
+def _resident(params: int, zero: str, dp: int = 2, pp: int = 2) -> tuple[float, float, float]:
+    """(parameters, gradients, AdamW state) in GiB one rank keeps through a step, fp32."""
+    stage = params * 4 / pp / 2**30
+    shard = stage / dp
+    if zero in ("torch FSDP default", "torch FSDP always"):  # gathered for the step, grads unsharded until the end
+        return stage, stage, 2 * shard
+    level = int(zero[-1])
+    return (shard if level == 3 else stage, shard if level >= 2 else stage, 2 * (shard if level >= 1 else stage))
+
+
+def _run(model: str, label: str, engine: str, flags: list[str], batch: int, args, folder: Path):
+    extra = ["--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(batch),
+             "--parallelism.pipeline_parallel_microbatch_size", str(batch // 4),
+             "--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32",
+             "--debug.seed", "42", *flags]
+    run = run_titan(f"{model}_pp2_1f1b", engine, dump_folder=folder / f"{model}-{label.replace(' ', '_')}-{batch}",
+                    nproc=4, steps=args.steps, extra=extra, timeout_s=1200)
+    if not run.ok:
+        print(f"{model} {label} batch {batch}: failed (exit {run.returncode})\n{run.tail()}", file=sys.stderr)
+        return None, None, None
+    tps = median([t for step, rates in run.tps.items() if step > 1 for t in rates]) if run.tps else None
+    params = _PARAMS.search(run.log)
+    return peak_memory_gib(run.log, args.steps), tps, int(params[1].replace(",", "")) if params else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any(b % 4 for b in args.batches):
+        parser.error("--batches: every local batch must be a multiple of 4 (four microbatches)")
+    cap_batch = args.cap_batch or min(args.batches)
+    version = code_version()  # before running: the ranks run this code
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # peak RSS follows live tensors (see above)
+    sections, figures = [], {}
+    with tempfile.TemporaryDirectory(prefix="piper_zero_") as tmp:
+        for model in args.models:
+            peaks: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
+            rates: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
+            params = None
+            for batch in args.batches:
+                for label, engine, flags in ENGINES:
+                    peak, tps, count = _run(model, label, engine, flags, batch, args, Path(tmp))
+                    peaks[label][batch], rates[label][batch] = peak, tps
+                    params = params or count
+                    print(f"{model} batch {batch} {label}: peak {peak} GiB, {tps} tokens/s", flush=True)
+            figures[model] = peaks
+            cap = peaks[CAPPED].get(cap_batch)
+            rows = []
+            for label, _, _ in ENGINES:
+                row = [label] + [f"{peaks[label][b]:.2f}" if peaks[label][b] is not None else "failed"
+                                 for b in args.batches]
+                fits = largest_under(peaks[label], cap) if cap is not None else 0
+                row.append(f"{fits} ({fits / cap_batch:.1f}x)" if cap is not None else "n/a")
+                ratios = [rates[label][b] / rates[BASELINE][b] for b in args.batches
+                          if rates[label][b] and rates[BASELINE][b]]
+                row.append(f"{median(ratios):.2f}" if ratios else "n/a")
+                row += [f"{x:.3f}" for x in _resident(params, label)] if params else ["n/a"] * 3
+                rows.append(row)
+            headers = (["engine"] + [f"peak GiB @ batch {b}" for b in args.batches]
+                       + [f"largest batch under {cap:.2f} GiB" if cap else "largest batch", "tokens/s vs always",
+                          "params GiB", "grads GiB", "AdamW GiB"])
+            rate_rows = [[label] + [f"{rates[label][b]:.0f}" if rates[label][b] else "n/a" for b in args.batches]
+                         for label, _, _ in ENGINES]
+            sections.append(
+                f"## {model}_pp2_1f1b, 4 ranks (pp 2 x dp_shard 2), seq {args.seq_len}, "
+                f"{params or '?'} parameters\n\n"
+                f"Peak memory per rank (largest over ranks, last step), the largest swept batch under the cap "
+                f"(TorchTitan default's peak at batch {cap_batch}), the median tokens/s ratio to TorchTitan "
+                f"reshard-always over the batches, and the resident state each level keeps per rank (from the "
+                f"parameter count: an average stage).\n\n{markdown_table(headers, rows)}\n\n"
+                f"Tokens/s per rank (median over ranks and steps after the first):\n\n"
+                f"{markdown_table(['engine'] + [f'batch {b}' for b in args.batches], rate_rows)}\n")
+    out = write_result(args.out, "zero_memory.md", "")
+    plot = args.plot or out.with_suffix(".png")
+    _plot(figures, args.batches, plot)
+    text = (f"# PP x ZeRO inside TorchTitan: memory, batch under a cap, tokens/s\n\n"
+            f"Command: `{command_line('zero_memory', args, parser)}`  \n{_machine(version)}  \n"
+            f"Plot: `{plot.name}`. Four ranks share this machine's cores: memory is exact, tokens/s ratios "
+            f"compare engines within this run only.\n\n" + "\n".join(sections))
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+def _machine(version: str) -> str:
+    import platform
+
+    import torch
+
+    return (f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
+            f"gloo, 4 ranks started by torchrun with 1 torch thread each, MALLOC_MMAP_THRESHOLD_="
+            f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; {version}")
+
+
+def _plot(figures: dict[str, dict[str, dict[int, float | None]]], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(figures), figsize=(6 * len(figures), 4.5), squeeze=False)
+    for ax, (model, peaks) in zip(axes[0], figures.items()):
+        for label, _, _ in ENGINES:
+            points = [(b, peaks[label][b]) for b in batches if peaks[label].get(b) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", linestyle="--" if label.startswith("torch") else "-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("local batch (4 microbatches)")
+        ax.set_ylabel("peak memory per rank (GiB)")
+        ax.set_title(f"{model}, pp 2 x dp_shard 2")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
