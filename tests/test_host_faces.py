@@ -64,7 +64,7 @@ def _host_rank(rank: int, port: int, recipe: str, zero: int, out) -> None:
         for step in range(STEPS):
             batch = dict(zip(compiled.program.input_names, _batch(step + 1)))
             mine = executor.step(batch=batch)
-            if mine:  # this replica's half of the batch: the full-batch mean is the two halves' sum
+            if mine:
                 losses.append(torch.stack(mine).sum().item())
             grads = [p.grad for _, p in named if p.grad is not None]
             local = torch.nn.utils.get_total_norm(grads)
@@ -77,12 +77,23 @@ def _host_rank(rank: int, port: int, recipe: str, zero: int, out) -> None:
             optimizer.zero_grad()
             norms.append(total.item())
             *x, y = _batch(step + 1)
+            half = grid.coords(rank)[1]
+            if mine:  # this replica's microbatches: its half of the batch, scaled by 1 / data shards
+                with torch.no_grad():
+                    ref_losses.append(lm_loss(reference(x[0].chunk(2)[half]), y.chunk(2)[half]).item() / 2)
             ref = lm_loss(reference(*x), y)
             ref.backward()
-            ref_losses.append(ref.item())
             ref_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item())
             ref_optimizer.step()
             ref_optimizer.zero_grad()
+        eval_batch = dict(zip(compiled.program.input_names, _batch(99)))
+        eval_losses = executor.eval(executor.shard(eval_batch))  # ZeRO-3 shards gathered whole for it
+        with torch.no_grad():
+            *x, y = _batch(99)
+            half = grid.coords(rank)[1]
+            mb = [lm_loss(reference(xs), ys).item()
+                  for xs, ys in zip(x[0].chunk(2)[half].chunk(M), y.chunk(2)[half].chunk(M))]
+        eval_err = max((abs(a.item() - b) / b for a, b in zip(eval_losses, mb)), default=0.0)
         ref_params = dict(reference.named_parameters())
         state = model.state_dict()
         param_err = 0.0
@@ -92,9 +103,10 @@ def _host_rank(rank: int, port: int, recipe: str, zero: int, out) -> None:
                 param_err = max(param_err, ((whole - ref_params[name]).norm() / ref_params[name].norm()).item())
                 saved = state[name]
                 assert (saved.full_tensor() if isinstance(saved, DTensor) else saved).shape == ref_params[name].shape
-        loss_err = 0.0
+        loss_err = max((abs(a - b) / b for a, b in zip(losses, ref_losses)), default=0.0)
         norm_err = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         out.put((rank, {"faces": faces, "local": len(named), "losses": len(losses), "loss": loss_err,
+                        "eval": eval_err, "evals": len(eval_losses),
                         "norm": norm_err, "param": param_err}))
     except BaseException as exc:  # noqa: BLE001 - report it to the test
         import traceback
@@ -124,7 +136,9 @@ def _check(recipe: str, zero: int) -> None:
     for rank, report in results.items():
         assert isinstance(report, dict), f"rank {rank}: {report}"
         assert report["faces"] == report["local"] > 0, (rank, report)
-        assert report["norm"] < 1e-5 and report["param"] < 1e-5 and report["loss"] < 1e-5, (rank, report)
+        assert report["norm"] < 1e-5 and report["param"] < 1e-5, (rank, report)
+        assert report["loss"] < 1e-5 and report["eval"] < 1e-5, (rank, report)
+        assert report["evals"] == (M if report["losses"] else 0), (rank, report)
     assert sum(r["losses"] > 0 for r in results.values()) == 2  # the last stage, on both replicas
 
 

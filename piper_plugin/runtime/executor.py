@@ -245,23 +245,27 @@ class Executor:
         Regions run in region order, each on its own rank; a value another rank needs is sent as
         soon as it is made (never blocking) and received when its consumer runs, so every rank
         walks one global order and nothing can wait in a cycle."""
-        state, dag, grid = self.state, self.plan.dag, self.plan.grid
+        dag = self.plan.dag
         self._check_microbatches(microbatches)
-        unsupported = [r for r, z in dag.meta.replicated.items() if z >= 3] + list(dag.meta.sharded)
-        if unsupported:
-            raise ValueError(f"eval runs plans whose regions hold whole parameters; regions {sorted(unsupported)} "
-                             f"are ZeRO-3 or expert-sharded: evaluate with replicate(zero<=2) and no shard()")
+        if dag.meta.sharded:
+            raise ValueError(f"eval runs plans whose regions hold whole parameters; regions {sorted(dag.meta.sharded)} "
+                             f"are expert-sharded: evaluate with a plan without shard()")
         if self._eval_group is None:
             self._eval_group = self._eval_groups()
-        if self.faces is None:
-            return self._eval(microbatches)
-        if self._stepped:  # the host may have stepped the shards since they were gathered
+        if self.faces is not None and self._stepped:  # the host may have stepped the shards since they were gathered
             self.faces.refresh(self._gather)
-        self.faces.compute_in()
+        gathered = [(key, b) for key, b in self.state.buckets.items() if b.zero == 3]
+        for key, bucket in gathered:  # ZeRO-3: the whole parameters for the evaluation, in bucket order
+            bucket.materialize(self._gather(key, bucket.shard_data()))
+        if self.faces is not None:
+            self.faces.compute_in()
         try:
             return self._eval(microbatches)
         finally:
-            self.faces.faces_in()
+            if self.faces is not None:
+                self.faces.faces_in()
+            for _, bucket in gathered:
+                bucket.release()
 
     def _eval(self, microbatches: Mapping[str, Sequence[Any]]) -> list[torch.Tensor]:
         state, dag, grid = self.state, self.plan.dag, self.plan.grid
