@@ -105,7 +105,6 @@ def _pp2(base: str, schedule: str, engine: str = "piper", zero: int | None = Non
         config.parallelism.data_parallel_replicate_degree = 1
         config.parallelism.fsdp_reshard_after_forward = "never" if zero == 2 else "always"
         config.piper.zero = zero
-        config.training.mixed_precision_param = "float32"  # Piper's ZeRO computes in the parameters' dtype
     return config
 
 

@@ -114,6 +114,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 2. SPMD parallelisms (AC, compile, ...) on our parts, as TorchTitan's pipeline_llm does
     model_parts: dict[int, nn.Module] = {}
+    mixed: tuple[torch.dtype | None, torch.dtype | None] = (None, None)  # Piper ZeRO's (param, reduce) dtypes
     if zero is not None:
         say_fsdp_withheld(f"FSDP withheld: Piper's ZeRO-{zero} shards the parameters over {shards} data-parallel ranks")
     for s in local:
@@ -123,7 +124,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                                             parallelism=parallelism, compile_config=compile_config,
                                             ac_config=ac_config, dump_folder=dump_folder)
         if zero is not None:
-            check_withheld(withheld, parallelism, training, model_parts[s])
+            mixed = check_withheld(withheld, training, model_parts[s], zero)
         parts[s] = model_parts[s]
         logger.info(f"Piper: PP rank {pp_rank} holds stage {s} with modules {fqns[s]}")
 
@@ -141,11 +142,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
                 f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
-    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), _hidden_dtype(model_parts, training, dtype))
+    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, replicas=(plan_replicas(parallel_dims, plan.grid)
+                                     recipe=label, mixed_precision=mixed, replicas=(plan_replicas(parallel_dims, plan.grid)
                                                              if zero is not None else _replicas(parallel_dims)))
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,

@@ -36,7 +36,7 @@ class PiperPipelineSchedule:
 
     def __init__(self, *, plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
-                 replicas: list[list[int]] | None = None):
+                 replicas: list[list[int]] | None = None, mixed_precision=(None, None)):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
         self.loss_fn = loss_fn
@@ -47,8 +47,10 @@ class PiperPipelineSchedule:
         # process ranks per data-parallel replica, whose gradients TorchTitan's FSDP/HSDP wrapper reduces.
         # The loss is already sum / global valid tokens: each microbatch's loss gradient is 1. TorchTitan
         # reports the process's own memory: no saved-activation hooks.
+        # ``mixed_precision``: FSDP's policy (param, reduce dtypes), done by Piper's ZeRO when it shards.
         self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=False,
-                                     replicas=tuple(tuple(r) for r in replicas) if replicas else None)
+                                     replicas=tuple(tuple(r) for r in replicas) if replicas else None,
+                                     param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1])
         self._executor: Executor | None = None
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,

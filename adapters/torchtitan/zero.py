@@ -84,24 +84,30 @@ def withhold_fsdp(calls: list[dict[str, Any]]) -> Iterator[None]:
             setattr(module, name, fully_shard)
 
 
-def check_withheld(calls: list[dict[str, Any]], parallelism: Any, training: Any, part: nn.Module) -> None:
-    """What FSDP would have done that Piper's ZeRO does not do (yet): refuse it by flag."""
+def check_withheld(calls: list[dict[str, Any]], training: Any, part: nn.Module,
+                   zero: int) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """What FSDP would have done that Piper's ZeRO does itself: its mixed-precision policy,
+    returned as (param dtype, reduce dtype) for Piper's buckets (None: the parameters' own).
+    Refuses, by flag, what Piper's ZeRO does not do."""
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in part.modules()):
         raise ValueError("this model's parallelize_fn applied FSDP in a way Piper cannot take over; run "
                          "--parallelism.data_parallel_shard_degree with --parallelism.pipeline_engine torch")
     dtype = next((p.dtype for p in part.parameters()), torch.float32)
+    wanted = reduce = None
     for kwargs in calls:
-        policy = kwargs.get("mp_policy")
-        wanted = getattr(policy, "param_dtype", None)
-        if wanted is not None and wanted != dtype:
-            raise ValueError(f"--training.mixed_precision_param {training.mixed_precision_param} with the Piper engine's "
-                             f"ZeRO (data_parallel_shard_degree > 1): Piper's ZeRO computes in the parameters' dtype "
-                             f"({str(dtype).removeprefix('torch.')}); pass --training.mixed_precision_param "
-                             f"{str(dtype).removeprefix('torch.')}")
         if kwargs.get("offload_policy") is not None:
             raise ValueError("--training.enable_cpu_offload with the Piper engine's ZeRO: not supported; turn it off")
+        policy = kwargs.get("mp_policy")
+        wanted = getattr(policy, "param_dtype", None) or wanted
+        reduce = getattr(policy, "reduce_dtype", None) or reduce
+    if wanted is not None and wanted != dtype and zero == 0:
+        raise ValueError(f"--training.mixed_precision_param {training.mixed_precision_param} with --piper.zero 0: "
+                         f"Piper computes in the master weights' dtype without shards; use --piper.zero 1, 2 or 3 "
+                         f"(bf16 compute copies of fp32 shards) or --training.mixed_precision_param "
+                         f"{str(dtype).removeprefix('torch.')}")
+    return (wanted if wanted != dtype else None), (reduce if reduce != dtype else None)
 
 
 def shard_faces(part: nn.Module, mesh) -> None:

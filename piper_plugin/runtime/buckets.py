@@ -16,6 +16,11 @@ and an all-gather's result is every member's block in order. The parameters them
 * 3: only the shards, which view a buffer of their own; ``materialize`` refills ``flat`` (same
   storage, so autograd's saved references stay valid), ``release`` frees it.
 
+Mixed precision (ZeRO >= 1, as FSDP's policy): with ``compute_dtype`` the parameters compute in
+that dtype (``flat`` holds them so, and all-gathers move them so) while the shards keep the
+parameters' own dtype in a buffer of their own (the master weights the optimizer steps);
+gradients are reduced in ``reduce_dtype`` (default: the shards' dtype).
+
 Gradient payloads carry one flag per parameter after the gradients (1 where this rank's
 parameter had a gradient): reduced with them, they say which parameters got a gradient
 anywhere, so a frozen or unused parameter keeps ``grad = None`` and optimizers skip it exactly
@@ -30,7 +35,8 @@ __all__ = ["FlatBucket"]
 
 
 class FlatBucket:
-    def __init__(self, params: list[nn.Parameter], zero: int, group_size: int, index_in_group: int):
+    def __init__(self, params: list[nn.Parameter], zero: int, group_size: int, index_in_group: int,
+                 compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.params = params
         self.zero = zero
         self.n = group_size
@@ -44,13 +50,14 @@ class FlatBucket:
         self.padded = max(self.shard_numel * self.n, self.numel)
         self.flags = len(params)
         dtype = params[0].dtype
+        mixed = zero >= 1 and compute_dtype is not None and compute_dtype != dtype
+        self.reduce_dtype = reduce_dtype if zero >= 1 and reduce_dtype is not None else dtype
         self.flat = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
         self._offsets = []
         offset = 0
         with torch.no_grad():
             for p in params:
                 self.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
-                p.data = self.flat[offset:offset + p.numel()].view_as(p)
                 self._offsets.append(offset)
                 offset += p.numel()
         self.refs = 0
@@ -58,9 +65,14 @@ class FlatBucket:
         self.shard_flat: torch.Tensor | None = None
         self.shard_grad: torch.Tensor | None = None
         self.seen = torch.zeros(self.flags, dtype=torch.bool)
+        if zero == 3 or mixed:  # the shards in a buffer of their own, in the parameters' dtype
+            self.shard_flat = self.to_rank_major(self.flat).view(self.n, self.shard_numel)[self.index].clone()
+        if mixed:
+            self.flat = self.flat.to(compute_dtype)
+        with torch.no_grad():
+            for p, offset in zip(params, self._offsets):
+                p.data = self.flat[offset:offset + p.numel()].view(p.shape)
         if zero >= 1:
-            if zero == 3:
-                self.shard_flat = self.to_rank_major(self.flat).view(self.n, self.shard_numel)[self.index].clone()
             self.shards = [nn.Parameter(self._own_rows(i), requires_grad=p.requires_grad)
                            for i, p in enumerate(params)]
         if zero == 3:
@@ -150,9 +162,10 @@ class FlatBucket:
         self.flat.untyped_storage().resize_(0)
 
     def shard_data(self) -> torch.Tensor:
-        """This member's block of the parameters (what it contributes to an all-gather)."""
+        """This member's block of the parameters (what it contributes to an all-gather), in the
+        compute dtype."""
         if self.shard_flat is not None:
-            return self.shard_flat
+            return self.shard_flat if self.shard_flat.dtype == self.flat.dtype else self.shard_flat.to(self.flat.dtype)
         out = self.flat.new_zeros(self.shard_numel)
         start = 0
         for i, shard in enumerate(self.shards):
@@ -169,7 +182,7 @@ class FlatBucket:
         """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)
         for ZeRO 0, rank-major with each block's flags after it for ZeRO >= 1 (``take`` clears
         p.grad). Each gradient is copied once, straight into place."""
-        dtype, device = self.flat.dtype, self.flat.device
+        dtype, device = self.reduce_dtype, self.flat.device
         flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
         if self.zero == 0:
             out = torch.empty(self.numel + self.flags, dtype=dtype, device=device)
@@ -205,6 +218,9 @@ class FlatBucket:
     def add_shard_grad(self, reduced: torch.Tensor) -> None:
         """Add a reduce-scatter's result (this member's block and flags) to the shards' grads."""
         grads, flags = reduced[:self.shard_numel], reduced[self.shard_numel:]
+        master = self.shards[0].dtype if self.shards else grads.dtype
+        if grads.dtype != master:
+            grads = grads.to(master)
         if self.shard_grad is None:
             self.shard_grad = grads.clone()
             self.seen = flags.cpu() > 0

@@ -67,6 +67,9 @@ class ExecutorConfig:
     gradients each UPDATE applies (parity checks). ``replicas``: process ranks of every
     replica of the plan, each ordered by plan rank, when a host runs several copies of one plan
     (data parallelism outside Piper); None: the plan's ranks are the process ranks.
+    ``param_dtype`` / ``reduce_dtype``: mixed precision for regions replicated with ZeRO >= 1
+    (FSDP's policy): compute and all-gather in ``param_dtype``, keep the shards (the master
+    weights) in the parameters' dtype, reduce gradients in ``reduce_dtype``; None: as is.
     """
 
     timeout_s: float = 60.0
@@ -74,6 +77,8 @@ class ExecutorConfig:
     track_saved_memory: bool = True
     capture_grads: bool = False
     replicas: tuple[tuple[int, ...], ...] | None = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def runner(self) -> RunnerConfig:
         """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
@@ -118,7 +123,8 @@ class Executor:
         self.plan, self.program, self.rank, self.config = plan, program, rank, config
         self.specs = dict(specs)
         adopted = unwrap_faces(model) if optimizer_fn is None else {}
-        self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer)
+        self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer,
+                               mixed_precision=(config.param_dtype, config.reduce_dtype))
         self.state.snapshot_grads = config.capture_grads
         if config.loss_scale is not None:
             self.state.scale = config.loss_scale

@@ -32,8 +32,10 @@ OptimizerFn = Callable[["ParamList"], torch.optim.Optimizer]
 
 class RankState:
     def __init__(self, rank: int, plan: Plan, program: Program, model: nn.Module,
-                 loss_fn: Callable[..., torch.Tensor], optimizer_fn: OptimizerFn):
+                 loss_fn: Callable[..., torch.Tensor], optimizer_fn: OptimizerFn,
+                 mixed_precision: tuple[torch.dtype | None, torch.dtype | None] = (None, None)):
         self.rank = rank
+        self.mixed_precision = mixed_precision  # (compute, reduce) dtypes of ZeRO >= 1 buckets
         self.plan = plan
         self.dag = plan.dag
         grid = plan.grid
@@ -109,7 +111,8 @@ class RankState:
             shards: dict[int, nn.Parameter] = {}
             for spec in specs:
                 zero = spec.zero if len(group) > 1 else 0
-                bucket = FlatBucket([named[p] for p in spec.params], zero, len(group), group.index(self.rank))
+                bucket = FlatBucket([named[p] for p in spec.params], zero, len(group), group.index(self.rank),
+                                    *self.mixed_precision)
                 self.buckets[(region, spec.index)] = bucket
                 shards.update({id(p): s for p, s in zip(bucket.params, bucket.shards)})
             if shards:
