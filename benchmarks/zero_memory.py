@@ -14,9 +14,8 @@ trains ``--steps`` steps. Reported per engine and local batch:
   the ranks. On CPU that is the rank process's peak RSS, reset after every step (the adapter's
   CPU memory monitor), so it includes what every process holds anyway (interpreter, torch,
   TorchTitan): the same for every engine, which makes the comparison under one cap fair. The
-  ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` (unless set): glibc then returns every large
-  freed buffer to the system at once, so the peak RSS follows the tensors alive, not what an
-  allocator arena kept after buffers a thread freed (ZeRO-3 frees and regathers per microbatch);
+  adapter's CPU path has glibc return every large freed buffer to the system at once
+  (``cpu.return_freed_buffers``), so the peak RSS follows the tensors alive;
 * the largest local batch that fits under a cap: the cap is TorchTitan's default engine's peak
   at the ``--cap-batch`` batch, and every engine's largest swept batch whose peak stays under it;
 * tokens/s: median over ranks and the steps after the first of TorchTitan's ``tps``, and its
@@ -119,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batches: every local batch must be a multiple of 4 (four microbatches)")
     cap_batch = args.cap_batch or min(args.batches)
     version = code_version()  # before running: the ranks run this code
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # peak RSS follows live tensors (see above)
     sections, figures = [], {}
     with tempfile.TemporaryDirectory(prefix="piper_zero_") as tmp:
         for model in args.models:
@@ -177,8 +175,7 @@ def _machine(version: str) -> str:
     import torch
 
     return (f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, "
-            f"gloo, 4 ranks started by torchrun with 1 torch thread each, MALLOC_MMAP_THRESHOLD_="
-            f"{os.environ.get('MALLOC_MMAP_THRESHOLD_')}; {version}")
+            f"gloo, 4 ranks started by torchrun with 1 torch thread each; {version}")
 
 
 def _plot(figures: dict[str, dict[str, dict[int, float | None]]], batches: list[int], path: Path) -> None:

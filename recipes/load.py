@@ -9,6 +9,7 @@ asking it for other values is an error naming the trace and the value, never a s
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import runpy
@@ -62,10 +63,12 @@ class Recipe:
         return out
 
     def schedule(self, program: Any, *, pp: int | None = None, dp: int | None = None, ep: int | None = None,
-                 microbatches: int | None = None, chunks: int = 2, zero: int | None = None) -> Schedule:
-        """A Schedule over ``program`` with this recipe's directives applied."""
+                 microbatches: int | None = None, chunks: int = 2, zero: int | None = None,
+                 bucket_bytes: int | None = None) -> Schedule:
+        """A Schedule over ``program`` with this recipe's directives applied (``bucket_bytes``:
+        the size of ZeRO / gradient-reduction buckets, for recipes that take it)."""
         s = self.settings(pp=pp, dp=dp, ep=ep, microbatches=microbatches, zero=zero)
-        return self._apply(program, s["pp"], s["dp"], s["ep"], s["microbatches"], chunks, s["zero"])
+        return self._apply(program, s["pp"], s["dp"], s["ep"], s["microbatches"], chunks, s["zero"], bucket_bytes)
 
 
 def load(spec: str | Path) -> Recipe:
@@ -84,9 +87,9 @@ def load(spec: str | Path) -> Recipe:
 
 
 def _builtin(name: str) -> Recipe:
-    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+    def apply(program, pp, dp, ep, microbatches, chunks, zero, bucket_bytes=None):
         sch = Schedule(program, pp=pp, dp=dp, ep=ep)
-        return apply_recipe(sch, name, microbatches=microbatches, chunks=chunks, zero=zero)
+        return apply_recipe(sch, name, microbatches=microbatches, chunks=chunks, zero=zero, bucket_bytes=bucket_bytes)
 
     return Recipe(name, True, {}, apply, lambda pp, chunks: stages_needed(name, pp, chunks))
 
@@ -106,7 +109,10 @@ def _trace(path: Path) -> Recipe:
         raise RecipeError(f"recipe file {str(path)!r} is not a Schedule trace ({type(exc).__name__}: {exc}); "
                           f"write one with Schedule.dumps()") from None
 
-    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+    def apply(program, pp, dp, ep, microbatches, chunks, zero, bucket_bytes=None):
+        if bucket_bytes is not None:
+            raise RecipeError(f"recipe file {str(path)!r} is a trace: its buckets are recorded in it; "
+                              f"do not pass bucket_bytes ({bucket_bytes}) with it")
         return Schedule.from_json(program, data)
 
     return Recipe(path.name, False, fixed, apply, lambda pp, chunks: stages)
@@ -135,9 +141,15 @@ def _python(path: Path) -> Recipe:
             raise RecipeError(f"{where}: stages(pp, chunks) returned {n!r}, expected a positive int")
         return n
 
-    def apply(program, pp, dp, ep, microbatches, chunks, zero):
+    def apply(program, pp, dp, ep, microbatches, chunks, zero, bucket_bytes=None):
         sch = Schedule(program, pp=pp, dp=dp, ep=ep)
-        call(recipe, sch, microbatches=microbatches, chunks=chunks, zero=zero)
+        extra = {}
+        if bucket_bytes is not None:
+            if "bucket_bytes" not in inspect.signature(recipe).parameters:
+                raise RecipeError(f"{where}: recipe() takes no bucket_bytes, but bucket_bytes={bucket_bytes} was asked "
+                                  f"for; add a bucket_bytes=None keyword and pass it to sch.replicate")
+            extra["bucket_bytes"] = bucket_bytes
+        call(recipe, sch, microbatches=microbatches, chunks=chunks, zero=zero, **extra)
         return sch
 
     return Recipe(path.name, False, {}, apply, stages)

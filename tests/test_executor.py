@@ -5,15 +5,13 @@ plain PyTorch on the same model and data."""
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import piper_plugin as piper
+from forkserver_ranks import run_ranks
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_batch, lm_loss
 
 CFG = ToyLMConfig(n_layers=4)
@@ -118,19 +116,7 @@ def _resume_rank(rank: int, port: int, out) -> None:
 
 
 def _run(target, *args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    ctx = mp.get_context("forkserver")  # a test process that ran autograd must not fork
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(10)
-    return results
+    return run_ranks(target, 2, *args, timeout_s=120)
 
 
 @pytest.mark.parametrize("recipe", ["1f1b", "dualpipev"])

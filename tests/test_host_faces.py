@@ -5,9 +5,6 @@ DP) and state dict work unchanged. Four forked ranks (pp=2 x dp=2) against plain
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
-import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import piper_plugin as piper
+from forkserver_ranks import run_ranks
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_batch, lm_loss
 
 CFG = ToyLMConfig(n_layers=4)
@@ -116,19 +114,7 @@ def _host_rank(rank: int, port: int, recipe: str, zero: int, out) -> None:
 
 
 def _run(*args) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    ctx = mp.get_context("forkserver")  # a test process that ran autograd must not fork
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_host_rank, args=(r, port, *args, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(10)
-    return results
+    return run_ranks(_host_rank, 4, *args)
 
 
 def _check(recipe: str, zero: int) -> None:

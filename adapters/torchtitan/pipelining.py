@@ -54,15 +54,16 @@ def recipe_for(schedule: str) -> str:
 
 
 def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: int = 1,
-                 zero: int = 0) -> tuple[str, Callable[[Any], Schedule]]:
+                 zero: int = 0, bucket_bytes: int | None = None) -> tuple[str, Callable[[Any], Schedule]]:
     """(label, program -> Schedule) for a recipe name, a Python recipe file or a JSON trace."""
     try:
         loaded = recipes.load(recipe)
     except recipes.RecipeError as exc:
         raise ValueError(f"--piper.recipe: {exc}") from None
     chunks = max(1, stages // pp)
+    buckets = bucket_bytes if loaded.builtin else None  # a user's recipe or trace sets its own
     return loaded.name, lambda program: loaded.schedule(program, pp=pp, dp=dp, microbatches=microbatches,
-                                                        chunks=chunks, zero=zero)
+                                                        chunks=chunks, zero=zero, bucket_bytes=buckets)
 
 
 def _compile(program, schedule_fn, world: int, split_last_backward: bool):
@@ -93,8 +94,9 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                          f"pipeline_parallel_microbatch_size {mbs}")
     microbatches = training.local_batch_size // mbs
     recipe = getattr(options, "recipe", None) or recipe_for(parallelism.pipeline_parallel_schedule)
+    bucket_mb = getattr(options, "bucket_mb", None)
     label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages, dp=shards,
-                                      zero=zero or 0)
+                                      zero=zero or 0, bucket_bytes=int(bucket_mb * 2**20) if bucket_mb else None)
     dtype = next(model.parameters()).dtype
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size")
     sizes = dict(microbatch_size=mbs, microbatches=microbatches, seq_len=training.seq_len, hidden_dim=dim,

@@ -44,6 +44,10 @@ class PiperOptions:
     """Piper's ZeRO level (0-3) over --parallelism.data_parallel_shard_degree; unset: from
     --parallelism.fsdp_reshard_after_forward (never: 2; default, always: 3)."""
 
+    bucket_mb: float = 32.0
+    """Size of Piper's ZeRO / gradient-reduction buckets in MiB under a built-in recipe: each is
+    gathered, laid out and reduced on its own, so the transient copies stay one bucket."""
+
 
 class PiperTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
