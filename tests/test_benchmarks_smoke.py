@@ -113,6 +113,24 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
     assert 0 < s["loss"] < 20
 
 
+def test_zero_memory_reads_peaks_and_caps():
+    """The figures ``benchmarks.zero_memory`` reports, from TorchTitan step lines (its full run
+    starts 6 engines x batches TorchTitan jobs: too long for the suite)."""
+    pytest.importorskip("torchtitan")
+    from benchmarks import zero_memory
+
+    log = ("step:  2  loss:  7.5  grad_norm:  1.5  memory:  0.95GiB(4.0%)  tps: 72\n"
+           "step:  3  loss:  7.1  grad_norm:  1.6  memory:  1.01GiB(4.3%)  tps: 72\n"
+           "step:  3  loss: -2.0  grad_norm:  1.6  memory:  1.04GiB(4.4%)  tps: 70\n")
+    assert zero_memory.peak_memory_gib(log, 3) == 1.04 and zero_memory.peak_memory_gib(log, 4) is None
+    assert zero_memory.largest_under({4: 1.0, 8: 1.2, 16: None}, 1.1) == 4
+    assert zero_memory.largest_under({4: 1.3}, 1.1) == 0
+    args = zero_memory.build_parser().parse_args(["--batches", "4", "8"])
+    assert args.batches == [4, 8] and args.models == ["llama3_debugmodel", "deepseek_v3_debugmodel"]
+    with pytest.raises(SystemExit):
+        zero_memory.main(["--batches", "6"])
+
+
 @pytest.mark.slow
 def test_cuda_check_smoke(tmp_path, capsys):
     """The GPU session's script, on gloo: the two-stream rank, a pipeline and ZeRO-3 against one
