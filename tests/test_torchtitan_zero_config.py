@@ -35,20 +35,21 @@ def test_zero_flag_parses():
     assert config.piper.zero == 2
 
 
-def _parallelism(shard=2, reshard="default"):
-    return SimpleNamespace(data_parallel_shard_degree=shard, fsdp_reshard_after_forward=reshard)
+def _parallelism(reshard="default"):
+    return SimpleNamespace(data_parallel_shard_degree=-1, fsdp_reshard_after_forward=reshard)
 
 
 def test_the_level_comes_from_torchtitans_knob_or_the_piper_flag():
-    assert zero_level(_parallelism(reshard="default"), SimpleNamespace(zero=None)) == 3
-    assert zero_level(_parallelism(reshard="always"), SimpleNamespace(zero=None)) == 3
-    assert zero_level(_parallelism(reshard="never"), SimpleNamespace(zero=None)) == 2
-    assert zero_level(_parallelism(), SimpleNamespace(zero=1)) == 1
-    assert zero_level(_parallelism(shard=1), SimpleNamespace(zero=None)) is None
+    """The resolved shard degree counts, not the flag (TorchTitan's -1 means "the ranks left")."""
+    assert zero_level(_parallelism(reshard="default"), SimpleNamespace(zero=None), 2) == 3
+    assert zero_level(_parallelism(reshard="always"), SimpleNamespace(zero=None), 2) == 3
+    assert zero_level(_parallelism(reshard="never"), SimpleNamespace(zero=None), 2) == 2
+    assert zero_level(_parallelism(), SimpleNamespace(zero=1), 2) == 1
+    assert zero_level(_parallelism(), SimpleNamespace(zero=None), 1) is None
     with pytest.raises(ValueError, match=r"--piper.zero 2 needs --parallelism.data_parallel_shard_degree > 1"):
-        zero_level(_parallelism(shard=1), SimpleNamespace(zero=2))
+        zero_level(_parallelism(), SimpleNamespace(zero=2), 1)
     with pytest.raises(ValueError, match=r"--piper.zero 5: the ZeRO level is 0, 1, 2 or 3"):
-        zero_level(_parallelism(), SimpleNamespace(zero=5))
+        zero_level(_parallelism(), SimpleNamespace(zero=5), 2)
 
 
 def _dims(**degrees):

@@ -81,7 +81,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     """TorchTitan's ``pipelining_fn`` contract; ``alternate`` also builds TorchTitan's own schedule
     over the same parts and alternates the two step by step (:mod:`.alternate`)."""
     check_parallelism(parallel_dims)
-    zero = zero_level(parallelism, options)
+    zero = zero_level(parallelism, options, parallel_dims.dp_shard)
     pp, dp = parallel_dims.pp, parallel_dims.dp_replicate  # dp: copies of the plan TorchTitan reduces
     shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)

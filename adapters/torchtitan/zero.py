@@ -29,10 +29,11 @@ __all__ = ["zero_level", "check_parallelism", "withhold_fsdp", "check_withheld",
 _LEVEL_OF_RESHARD = {"never": 2, "default": 3, "always": 3}
 
 
-def zero_level(parallelism, options) -> int | None:
-    """The ZeRO level Piper runs, or None when there is no data-parallel shard axis."""
+def zero_level(parallelism, options, shard_degree: int) -> int | None:
+    """The ZeRO level Piper runs, or None when there is no data-parallel shard axis
+    (``shard_degree``: the resolved one; TorchTitan's flag may say -1, "the rest")."""
     level = getattr(options, "zero", None)
-    if parallelism.data_parallel_shard_degree in (1, 0):
+    if shard_degree <= 1:
         if level is not None:
             raise ValueError(f"--piper.zero {level} needs --parallelism.data_parallel_shard_degree > 1 (the ranks "
                              f"ZeRO shards over); drop --piper.zero or set the shard degree")

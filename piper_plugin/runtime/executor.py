@@ -122,7 +122,12 @@ class Executor:
                  config: ExecutorConfig = ExecutorConfig(), after_task: Callable[[str], None] | None = None):
         self.plan, self.program, self.rank, self.config = plan, program, rank, config
         self.specs = dict(specs)
-        adopted = unwrap_faces(model) if optimizer_fn is None else {}
+        # the host steps its optimizer over faces of Piper's shards: DTensor parameters it made
+        # for them are taken over; any other DTensor parameters (e.g. FSDP's at degree 1) stay its own
+        placement, me = plan.dag.meta.placement, plan.grid.coords(rank)[0]
+        hosted = optimizer_fn is None and any(zero >= 1 and placement[region] == me
+                                              for region, zero in plan.dag.meta.replicated.items())
+        adopted = unwrap_faces(model) if hosted else {}
         self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer,
                                mixed_precision=(config.param_dtype, config.reduce_dtype))
         self.state.snapshot_grads = config.capture_grads
@@ -140,10 +145,6 @@ class Executor:
         self.faces: HostFaces | None = None
         if optimizer_fn is None and any(b.shards for b in self.state.buckets.values()):
             self.faces = HostFaces(model, self.state.buckets, self._bucket_group, adopted, self.device.type)
-        elif adopted:
-            raise ValueError("the model has DTensor parameters but Piper steps the optimizer (optimizer_fn given) or "
-                             "keeps them whole (ZeRO 0): pass optimizer_fn=None and replicate with zero >= 1, or "
-                             "give Piper plain parameters")
         self._stepped = False
 
     def _bucket_group(self, key) -> dist.ProcessGroup:
