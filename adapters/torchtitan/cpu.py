@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "return_freed_buffers", "use_sdpa_attention", "offline_assets",
-           "register_dataset", "apply_cpu_fixes", "on_cpu", "peak_rss_bytes", "reset_peak_rss", "cpu_attention"]
+__all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "return_freed_buffers",
+           "use_sdpa_attention", "offline_assets", "register_dataset", "apply_cpu_fixes", "on_cpu",
+           "peak_rss_bytes", "reset_peak_rss", "cpu_attention"]
 
 import piper_plugin as _piper
 

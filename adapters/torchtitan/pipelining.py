@@ -135,11 +135,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
+    mesh = shard_mesh(parallel_dims) if zero is not None else None
     if zero:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
         for s in local:
-            shard_faces(model_parts[s], shard_mesh(parallel_dims))
-    if zero is not None:  # this process's rank in the pp x dp plan
-        pp_rank = plan.grid.rank(pp_rank, shard_mesh(parallel_dims).get_local_rank())
+            shard_faces(model_parts[s], mesh)
+    plan_rank = plan.grid.rank(pp_rank, mesh.get_local_rank()) if mesh is not None else pp_rank
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
@@ -147,9 +147,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
-                                     rank=pp_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, mixed_precision=mixed, replicas=(plan_replicas(parallel_dims, plan.grid)
-                                                             if zero is not None else _replicas(parallel_dims)))
+                                     rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
+                                     recipe=label, mixed_precision=mixed,
+                                     replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
+                                               else _replicas(parallel_dims)))
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
                                   training=training, device=device, loss_fn=loss_fn)

@@ -135,23 +135,18 @@ def shard_faces(part: nn.Module, mesh) -> None:
 
 def shard_mesh(parallel_dims):
     """TorchTitan's data-parallel shard mesh (flattened ``fsdp`` in its legacy backend,
-    ``dp_shard`` in the SPMD ones)."""
-    mesh = parallel_dims.get_optional_mesh("fsdp") if "fsdp" in _mesh_names(parallel_dims) else None
+    ``dp_shard`` in the SPMD ones, where asking for ``fsdp`` raises)."""
+    try:
+        mesh = parallel_dims.get_optional_mesh("fsdp")
+    except ValueError:
+        mesh = None
     return mesh if mesh is not None else parallel_dims.get_mesh("dp_shard")
 
 
-def _mesh_names(parallel_dims) -> set[str]:
-    try:
-        parallel_dims.get_optional_mesh("fsdp")
-        return {"fsdp"}
-    except ValueError:
-        return set()
-
-
-def plan_replicas(parallel_dims, grid) -> list[list[int]]:
+def plan_replicas(parallel_dims, mesh, grid) -> list[list[int]]:
     """Process rank of every plan rank (one replica): plan rank ``grid.rank(pp, d)`` is the
-    process at pipeline rank ``pp`` and ``fsdp`` mesh rank ``d`` (a collective)."""
-    mine = (parallel_dims.get_mesh("pp").get_local_rank(), shard_mesh(parallel_dims).get_local_rank())
+    process at pipeline rank ``pp`` and shard ``mesh`` rank ``d`` (a collective)."""
+    mine = (parallel_dims.get_mesh("pp").get_local_rank(), mesh.get_local_rank())
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     where = {coords: process for process, coords in enumerate(everyone)}

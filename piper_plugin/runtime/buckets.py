@@ -28,6 +28,8 @@ as they do on one device.
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn as nn
 
@@ -49,17 +51,15 @@ class FlatBucket:
         self.shard_numel = sum(self.segments)
         self.padded = max(self.shard_numel * self.n, self.numel)
         self.flags = len(params)
+        self._offsets = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # parameter-major
+        self._starts = list(accumulate(self.segments[:-1], initial=0))  # within a member's block
         dtype = params[0].dtype
         mixed = zero >= 1 and compute_dtype is not None and compute_dtype != dtype
         self.reduce_dtype = reduce_dtype if zero >= 1 and reduce_dtype is not None else dtype
         self.flat = torch.zeros(self.padded, dtype=dtype, device=params[0].device)
-        self._offsets = []
-        offset = 0
         with torch.no_grad():
-            for p in params:
+            for p, offset in zip(params, self._offsets):
                 self.flat[offset:offset + p.numel()].copy_(p.detach().flatten())
-                self._offsets.append(offset)
-                offset += p.numel()
         self.refs = 0
         self.shards: list[nn.Parameter] = []
         self.shard_flat: torch.Tensor | None = None
@@ -88,34 +88,31 @@ class FlatBucket:
         p, rows = self.params[i], self._valid_rows(i, self.index)
         shape = (rows, *p.shape[1:]) if p.dim() else (rows,)
         if self.shard_flat is not None:
-            start = sum(self.segments[:i])
+            start = self._starts[i]
             return self.shard_flat[start:start + rows * self.row_numel[i]].view(shape)
         start = self._offsets[i] + self.index * self.chunk_rows[i] * self.row_numel[i]
         return self.flat[start:start + rows * self.row_numel[i]].view(shape)
 
     def _layout(self):
-        """Per parameter: (param-major offset, rows, elements per row, chunk rows, block start)."""
-        start = 0
+        """Per parameter: (parameter-major offset, elements per row, block start, chunk size in
+        elements, members holding a full chunk, rows of the one partial chunk)."""
         for i, offset in enumerate(self._offsets):
-            yield offset, self.rows[i], self.row_numel[i], self.chunk_rows[i], start
-            start += self.segments[i]
+            full = self.rows[i] // self.chunk_rows[i] if self.chunk_rows[i] else 0
+            yield (offset, self.row_numel[i], self._starts[i], self.segments[i], full,
+                   self.rows[i] - full * self.chunk_rows[i])
 
-    def _scatter(self, src: torch.Tensor | None, offset_in_src: int, blocks: torch.Tensor, rows: int, row: int,
-                 chunk: int, start: int) -> None:
-        """Copy one parameter (``rows`` x ``row`` elements of ``src`` from ``offset_in_src``, or
-        zeros when ``src`` is None) into the rank-major ``blocks`` [n, >= shard_numel], padding
-        short and empty chunks with zeros. Two copies, no temporaries."""
-        seg = chunk * row
-        full = rows // chunk if chunk else 0
-        rest = rows - full * chunk
+    def _scatter(self, src: torch.Tensor | None, offset_in_src: int, blocks: torch.Tensor, row: int, start: int,
+                 seg: int, full: int, rest: int) -> None:
+        """Copy one parameter (from ``src`` at ``offset_in_src``, or zeros when ``src`` is None)
+        into the rank-major ``blocks`` [n, >= shard_numel], padding short and empty chunks with
+        zeros. Two copies, no temporaries."""
         if src is None:
             blocks[:, start:start + seg].zero_()
             return
         if full:
             blocks[:full, start:start + seg].copy_(src[offset_in_src:offset_in_src + full * seg].view(full, seg))
         if full < self.n:
-            tail = blocks[full:, start:start + seg]
-            tail.zero_()
+            blocks[full:, start:start + seg].zero_()
             if rest:
                 lo = offset_in_src + full * seg
                 blocks[full, start:start + rest * row].copy_(src[lo:lo + rest * row])
@@ -124,17 +121,14 @@ class FlatBucket:
         """A parameter-major flat tensor (``numel`` first elements used) in rank-major layout."""
         out = flat.new_empty(self.n * self.shard_numel)
         blocks = out.view(self.n, self.shard_numel)
-        for offset, rows, row, chunk, start in self._layout():
-            self._scatter(flat, offset, blocks, rows, row, chunk, start)
+        for offset, *layout in self._layout():
+            self._scatter(flat, offset, blocks, *layout)
         return out
 
     def from_rank_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Write a rank-major tensor into the parameter-major ``out`` (two copies per parameter)."""
         blocks = gathered.view(self.n, self.shard_numel)
-        for offset, rows, row, chunk, start in self._layout():
-            seg = chunk * row
-            full = rows // chunk if chunk else 0
-            rest = rows - full * chunk
+        for offset, row, start, seg, full, rest in self._layout():
             if full:
                 out[offset:offset + full * seg].view(full, seg).copy_(blocks[:full, start:start + seg])
             if rest:
@@ -167,15 +161,9 @@ class FlatBucket:
         if self.shard_flat is not None:
             return self.shard_flat if self.shard_flat.dtype == self.flat.dtype else self.shard_flat.to(self.flat.dtype)
         out = self.flat.new_zeros(self.shard_numel)
-        start = 0
-        for i, shard in enumerate(self.shards):
+        for shard, start in zip(self.shards, self._starts):
             out[start:start + shard.numel()] = shard.detach().reshape(-1)
-            start += self.segments[i]
         return out
-
-    def optimizer_params(self) -> list[nn.Parameter]:
-        """What the optimizer steps: the parameters (ZeRO 0) or one shard per parameter."""
-        return list(self.params) if not self.shards else list(self.shards)
 
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
@@ -194,9 +182,8 @@ class FlatBucket:
             width = self.shard_numel + self.flags
             out = torch.empty(self.n * width, dtype=dtype, device=device)
             blocks = out.view(self.n, width)
-            for p, (_, rows, row, chunk, start) in zip(self.params, self._layout()):
-                grad = p.grad.reshape(-1) if p.grad is not None else None
-                self._scatter(grad, 0, blocks, rows, row, chunk, start)
+            for p, (_, *layout) in zip(self.params, self._layout()):
+                self._scatter(p.grad.reshape(-1) if p.grad is not None else None, 0, blocks, *layout)
             blocks[:, self.shard_numel:] = flags
         if take:
             for p in self.params:
@@ -227,12 +214,9 @@ class FlatBucket:
         else:
             self.shard_grad.add_(grads)
             self.seen |= flags.cpu() > 0
-        start = 0
-        for i, shard in enumerate(self.shards):
-            size = shard.numel()
-            shard.grad = (self.shard_grad[start:start + size].view_as(shard)
-                          if self.seen[i] and shard.requires_grad else None)
-            start += self.segments[i]
+        for shard, start, seen in zip(self.shards, self._starts, self.seen.tolist()):
+            shard.grad = (self.shard_grad[start:start + shard.numel()].view_as(shard)
+                          if seen and shard.requires_grad else None)
 
     def step_done(self) -> None:
         """The optimizer stepped: the next step's gradients start from nothing."""

@@ -25,11 +25,10 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
-__all__ = ["DistComm", "communicator_specs", "all_gather_flat"]
+__all__ = ["DistComm", "communicator_specs"]
 
 # flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-all_gather_flat = _all_gather
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -72,6 +71,8 @@ class DistComm:
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
                 if replica is mine[0] and rank in ranks:
                     self.groups[(stream, ranks)] = group
+        self._bucket_groups = {(node.region, node.bucket): self._group(node)[1] for node in plan.dag.nodes.values()
+                               if node.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and rank in node.devices}
 
     def wait_sends(self) -> None:
         with self._sends_lock:
@@ -107,9 +108,17 @@ class DistComm:
         peer = self.plan.grid.peer(self.rank, dag.meta.placement[dag.nodes[node.peer].region])
         return self.process_rank[peer], self.groups[(node.stream, tuple(sorted((self.rank, peer))))]
 
-    def group_of(self, node: Node) -> dist.ProcessGroup:
-        """The communicator of collective ``node`` on this rank."""
-        return self._group(node)[1]
+    def bucket_group(self, key: tuple[str, int]) -> dist.ProcessGroup:
+        """The communicator of ZeRO bucket ``key`` (region, index)'s collectives on this rank."""
+        return self._bucket_groups[key]
+
+    def gather_bucket(self, key: tuple[str, int], shard: torch.Tensor) -> torch.Tensor:
+        """All-gather ``shard`` over bucket ``key``'s group, outside the plan (a host's step
+        or an eval; every member calls it in the same bucket order)."""
+        group = self._bucket_groups[key]
+        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
+        _all_gather(out, shard.contiguous(), group=group)
+        return out
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
         members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)
@@ -119,8 +128,8 @@ class DistComm:
         """Issue ``node``'s operation. SENDs are asynchronous (let go by :meth:`retire_sends` once
         done, by :meth:`wait_sends` at the latest);
         a RECV is posted and returns its completion (wait for the message, then deliver it,
-        within the seconds it is given); collectives block. A ZeRO-3 gather lays the gathered shards out into the bucket's
-        parameters when no copy is held (:func:`comm_ops.gather_target`)."""
+        within the seconds it is given); collectives block. A ZeRO-3 gather lays the gathered
+        shards out into the bucket's parameters when no copy is held (:func:`comm_ops.gather_target`)."""
         dag = self.plan.dag
         if node.kind == Kind.SEND:
             dst, group = self.channel(node)
@@ -165,7 +174,7 @@ class DistComm:
             shard = comm_ops.payload(state, node)
             out = shard.new_empty(shard.numel() * len(members))
             _all_gather(out, shard.contiguous(), group=group)
-            if comm_ops.gather_target(state, node):  # None held yet: the gathered parameters go in
+            if comm_ops.gather_target(state, node):  # no copy held yet: the gathered parameters go in
                 state.buckets[(node.region, node.bucket)].materialize(out)
             state.finished(node.key)
         else:

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin.ir.capture import Program
-from piper_plugin.ir.nodes import COMPUTE, Kind
+from piper_plugin.ir.nodes import COMPUTE
 from piper_plugin.runtime.compute import run_compute
-from piper_plugin.runtime.dist_comm import DistComm, all_gather_flat
+from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
 from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
@@ -142,24 +142,9 @@ class Executor:
         self.runner = StreamRunner(plan.ranks[rank], self._execute, config.runner(), describe=self._describe,
                                    device=self.device, after=after_task)
         self._eval_group = None  # made on first eval (a collective over the replica's ranks)
-        self.faces: HostFaces | None = None
-        if optimizer_fn is None and any(b.shards for b in self.state.buckets.values()):
-            self.faces = HostFaces(model, self.state.buckets, self._bucket_group, adopted, self.device.type)
+        self.faces = (HostFaces(model, self.state.buckets, self.comm.bucket_group, adopted, self.device.type)
+                      if hosted else None)
         self._stepped = False
-
-    def _bucket_group(self, key) -> dist.ProcessGroup:
-        """The communicator of bucket ``key``'s gradient reductions on this rank."""
-        region, index = key
-        node = next(n for n in self.plan.dag.nodes.values()
-                    if n.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and n.region == region
-                    and n.bucket == index and self.rank in n.devices)
-        return self.comm.group_of(node)
-
-    def _gather(self, key, shard: torch.Tensor) -> torch.Tensor:
-        group = self._bucket_group(key)
-        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
-        all_gather_flat(out, shard.contiguous(), group=group)
-        return out
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *, batch: Mapping[str, torch.Tensor] | None = None,
@@ -199,7 +184,7 @@ class Executor:
         last one (ZeRO-1/2 gather them whole again) and took their gradients."""
         self.faces.new_step()
         if self._stepped:
-            self.faces.refresh(self._gather)
+            self.faces.refresh(self.comm.gather_bucket)
         self._stepped = True
         self.faces.compute_in()
 
@@ -260,10 +245,10 @@ class Executor:
         if self._eval_group is None:
             self._eval_group = self._eval_groups()
         if self.faces is not None and self._stepped:  # the host may have stepped the shards since they were gathered
-            self.faces.refresh(self._gather)
+            self.faces.refresh(self.comm.gather_bucket)
         gathered = [(key, b) for key, b in self.state.buckets.items() if b.zero == 3]
         for key, bucket in gathered:  # ZeRO-3: the whole parameters for the evaluation, in bucket order
-            bucket.materialize(self._gather(key, bucket.shard_data()))
+            bucket.materialize(self.comm.gather_bucket(key, bucket.shard_data()))
         if self.faces is not None:
             self.faces.compute_in()
         try:

@@ -42,7 +42,7 @@ def unwrap_faces(model: nn.Module) -> dict[int, nn.Parameter]:
     """Replace every DTensor parameter of ``model`` by a plain one holding it whole (a
     collective over each face's mesh, in module order on every rank). Returns id(plain) -> face."""
     faces: dict[int, nn.Parameter] = {}
-    for p_id, slots in _slots(model).items():
+    for slots in _slots(model).values():
         face = getattr(slots[0][0], slots[0][1])
         if not isinstance(face, DTensor):
             continue
@@ -67,9 +67,7 @@ class HostFaces:
         self.buckets = {key: b for key, b in buckets.items() if b.shards}
         self.entries: list[tuple[list[Slot], nn.Parameter, nn.Parameter, Any, int]] = []
         meshes: dict[Any, DeviceMesh] = {}
-        for key, bucket in buckets.items():
-            if not bucket.shards:
-                continue
+        for key, bucket in self.buckets.items():
             for i, (p, shard) in enumerate(zip(bucket.params, bucket.shards)):
                 face = adopted.get(id(p))
                 if face is None:
