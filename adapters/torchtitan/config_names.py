@@ -17,10 +17,12 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["MODELS", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "drop_in", "stock_configs", "unknown"]
+__all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "drop_in", "stock_configs", "unknown"]
 
 # The model packages searched for stock config functions, in this order.
 MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
+# Piper's own base configs (variants of a stock one), usable wherever a stock config name is.
+BASES = {"llama3_widemodel": "llama3"}
 # ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
 DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
@@ -63,7 +65,7 @@ def unknown(name: str) -> str:
     """Why ``--config name`` does not exist, listing what does; "" when it does (or when
     TorchTitan's source cannot be read here: TorchTitan then checks it)."""
     stock = stock_configs()
-    every = [n for names in stock.values() for n in names]
+    every = [n for names in stock.values() for n in names] + list(BASES)
     if not stock or name in every:
         return ""
     parsed = drop_in(name)

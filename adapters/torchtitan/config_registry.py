@@ -35,8 +35,36 @@ def _to_piper_config(stock_config: object) -> "PiperTrainer.Config":
     return to_piper_config(stock_config)
 
 
+def _llama3_widemodel() -> object:
+    """TorchTitan's ``llama3_debugmodel`` made parameter-heavy: dim 1024, 16 layers, 16 heads
+    (205M parameters; the debug tokenizer's 2048 tokens). With short sequences the model state,
+    not the activations, fills a rank: the regime where ZeRO-3's re-sharding matters."""
+    import dataclasses
+
+    from torchtitan.models import llama3
+
+    config = _stock_config_fn("llama3_debugmodel")()
+    spec, dim, heads = config.model_spec, 1024, 16
+    base = spec.model
+    layers = llama3._build_llama3_layers(  # TorchTitan's own builder of its llama3 flavors
+        n_layers=16, dim=dim, n_heads=heads, hidden_dim=llama3.compute_ffn_hidden_dim(dim, multiple_of=256),
+        rope=dataclasses.replace(base.layers[0].attention.rope, dim=dim // heads), attn_backend="flex")
+    model = dataclasses.replace(
+        base, dim=dim, layers=layers, tok_embeddings=dataclasses.replace(base.tok_embeddings, embedding_dim=dim),
+        norm=dataclasses.replace(base.norm, normalized_shape=dim),
+        lm_head=dataclasses.replace(base.lm_head, in_features=dim))
+    config.model_spec = dataclasses.replace(spec, flavor="widemodel", model=model)
+    return config
+
+
+_BASES = {"llama3_widemodel": _llama3_widemodel}
+
+
 def _stock_config_fn(name: str) -> Callable[[], object]:
-    """The stock TorchTitan config function ``name`` (searched in every model's config_registry)."""
+    """The stock TorchTitan config function ``name`` (searched in every model's config_registry),
+    or one of Piper's base configs (:data:`config_names.BASES`)."""
+    if name in _BASES:
+        return _BASES[name]
     likely = [m for m in _MODELS if name.startswith(m.split("_")[0])]  # qwen35_* lives in qwen3_5
     failed: dict[str, str] = {}
     for model in likely + [m for m in _MODELS if m not in likely]:

@@ -85,6 +85,16 @@ def _param_info(part: nn.Module, stage: int) -> dict[str, tuple[tuple[int, ...],
             for n, p in part.named_parameters()}
 
 
+def _blocks(part: nn.Module, stage: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The stage's transformer blocks (``layers.<i>``, FSDP's units in TorchTitan), in order:
+    (path in its :class:`StageChunk`, parameter names)."""
+    layers = getattr(part, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        return ()
+    return tuple((f"part.layers.{name}", tuple(f"model.stages.{stage}.layers.{name}.{n}" for n, _ in block.named_parameters()))
+                 for name, block in layers.named_children())
+
+
 def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, microbatches: int, seq_len: int,
                         hidden_dim: int, dtype: torch.dtype, model_type: str = "",
                         data_shards: int = 1) -> StageProgram:
@@ -113,7 +123,8 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
         regions[str(s)] = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=tuple(info), inputs=inputs, outputs=outputs,
             value_bytes=value_bytes, activation_bytes=hidden_bytes * max(1, len(list(part.children()))),
-            param_bytes=sum(b for _, b in info.values()), flops=6 * batch * seq_len * numel)
+            param_bytes=sum(b for _, b in info.values()), flops=6 * batch * seq_len * numel,
+            blocks=_blocks(part, s))
     return StageProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1), batch_size=batch,
         param_bytes=param_bytes, param_shapes=param_shapes,

@@ -135,8 +135,12 @@ class Schedule:
         self._record("shard", regions=regions, degree=degree)
         return self
 
-    def replicate(self, regions: str = "*", *, zero: int = 0, bucket_bytes: int | None = None) -> "Schedule":
-        """Data parallelism over each region's replicas, ZeRO level ``zero`` (0-3)."""
+    def replicate(self, regions: str = "*", *, zero: int = 0, bucket_bytes: int | None = None,
+                  blocks: bool = True) -> "Schedule":
+        """Data parallelism over each region's replicas, ZeRO level ``zero`` (0-3). With
+        ``zero=3`` a region that declares blocks (module regions, e.g. a TorchTitan stage's
+        transformer blocks) gathers and reduces them one at a time inside its chunk, as FSDP
+        does, unless ``blocks=False``: then each bucket is gathered for the whole chunk."""
         self._before_split("replicate", repr(regions))
         self._close_placement("replicate")
         hits = self._regions("replicate", regions)
@@ -156,8 +160,8 @@ class Schedule:
                 raise DirectiveError("replicate", repr(regions), f"region {name} holds a weight tied across "
                                      f"pipeline ranks, supported with zero=0 only", "use zero=0 for this region")
         for name in hits:
-            replicate(self.dag, self.grid, name, zero, bucket_bytes)
-        self._record("replicate", regions=regions, zero=zero, bucket_bytes=bucket_bytes)
+            replicate(self.dag, self.grid, name, zero, bucket_bytes, blocks)
+        self._record("replicate", regions=regions, zero=zero, bucket_bytes=bucket_bytes, blocks=blocks)
         return self
 
     def split(self, microbatches: int, *, split_backward: bool = False) -> "Schedule":
@@ -318,7 +322,8 @@ class Schedule:
             elif name == "shard":
                 sch.shard(args["regions"], degree=args["degree"])
             elif name == "replicate":
-                sch.replicate(args["regions"], zero=args["zero"], bucket_bytes=args["bucket_bytes"])
+                sch.replicate(args["regions"], zero=args["zero"], bucket_bytes=args["bucket_bytes"],
+                              blocks=args.get("blocks", True))
             elif name == "split":
                 sch.split(args["microbatches"], split_backward=args["split_backward"])
             elif name in ("order", "order_per_rank"):

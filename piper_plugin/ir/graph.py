@@ -87,7 +87,10 @@ class Region:
 
     ``value_bytes`` are sizes for the example batch the model was captured with;
     ``activation_bytes`` estimates what one forward of the region keeps for backward,
-    ``backward`` what its backward allocates on top (both for that batch).
+    ``backward`` what its backward allocates on top (both for that batch). ``blocks``: for a
+    region run as a module, its sequential submodules ``(path in the chunk, parameter names)``,
+    in forward order, each using only its own parameters (FSDP's units): ZeRO-3 may gather
+    and reduce them one at a time inside the chunk.
     """
 
     name: str
@@ -102,11 +105,14 @@ class Region:
     param_bytes: int
     flops: int = 0
     backward: BackwardBytes = field(default_factory=BackwardBytes)
+    blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass
 class Bucket:
-    """Parameters of one region reduced / sharded together (replicate's bucket option)."""
+    """Parameters of one region reduced / sharded together (replicate's bucket option).
+    ``block``: the region block (module path) whose parameters these are, gathered and reduced
+    inside the chunk as the block runs (ZeRO-3 by block); None: by the plan's own nodes."""
 
     region: str
     index: int
@@ -114,6 +120,7 @@ class Bucket:
     numel: int
     group: tuple[int, ...]
     zero: int
+    block: str | None = None
 
 
 @dataclass

@@ -98,6 +98,8 @@ def _check_gradients(dag: DAG, grid: RankGrid, grad_nodes: dict[str, list[str]])
                 f"(ranks {devices}): add replicate('region={region}') or replicate('*')")
         by_bucket = {key: _reductions(dag, key) for key in grad_nodes[region]}  # one pass per node
         for bucket in buckets:
+            if bucket.block is not None:  # reduced inside the chunk as its block's backward ends
+                continue
             for key in grad_nodes[region]:
                 reductions = by_bucket[key].get(bucket.index, [])
                 if len(reductions) != 1:

@@ -9,6 +9,12 @@ Per bucket, with group = the region's replicas (axis ``data``; ``dp`` for EP-sha
 * ZeRO-3: ALL_GATHER -> F and ALL_GATHER -> B (per microbatch), B -> REDUCE_SCATTER
   (per microbatch) -> UPDATE of the shard; nothing stays gathered.
 
+ZeRO-3 by block (``blocks``, for regions that declare :attr:`Region.blocks`): each block's
+parameters are a bucket of their own that the chunk gathers as the block starts (the next one
+prefetched) and frees as it ends, and reduce-scatters as the block's backward ends
+(:mod:`piper_plugin.runtime.block_gathers`); those buckets get no nodes here, B -> UPDATE stays.
+The region's other parameters are bucketed as above.
+
 Invariant: each microbatch's gradient contribution to a bucket is reduced exactly once.
 """
 from __future__ import annotations
@@ -37,7 +43,8 @@ def make_buckets(params: tuple[str, ...], param_bytes: dict[str, int], bucket_by
     return [tuple(b) for b in buckets]
 
 
-def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: int | None) -> None:
+def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: int | None,
+              blocks: bool = True) -> None:
     r = dag.regions[region]
     sharded = region in dag.meta.sharded
     axis = "dp" if sharded else "data"
@@ -47,15 +54,22 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
     sizes = dag.meta.param_bytes
     divisor = grid.ep if sharded else 1
     dag.meta.replicated[region] = zero if group_size > 1 else 0  # one replica: nothing to shard, plain ZeRO-0
-    buckets = []
-    for i, names in enumerate(make_buckets(params, sizes, bucket_bytes)):
-        numel = sum(sizes[p] for p in names) // 4 // divisor
-        buckets.append(Bucket(region, i, names, numel, devices, zero))
+    by_block = []  # (block path, its parameters this region updates)
+    if blocks and zero == 3 and group_size > 1:
+        own = set(params)
+        by_block = [(path, tuple(p for p in names if p in own)) for path, names in r.blocks]
+        by_block = [(path, names) for path, names in by_block if names]
+    in_blocks = {p for _, names in by_block for p in names}
+    groups = [(None, names) for names in make_buckets(tuple(p for p in params if p not in in_blocks),
+                                                      sizes, bucket_bytes)] + by_block
+    buckets = [Bucket(region, i, names, sum(sizes[p] for p in names) // 4 // divisor, devices, zero, block)
+               for i, (block, names) in enumerate(groups)]
     dag.buckets[region] = buckets
     if group_size == 1 or not buckets:
         return
     update, backward = f"{region}UPDATE", f"{region}B"
-    dag.remove_data(backward, update)
+    if not by_block:  # otherwise B -> UPDATE stays: the chunk reduces its blocks before B ends
+        dag.remove_data(backward, update)
 
     def comm(kind: Kind, bucket: Bucket, qual: str, phase: str, nbytes: int) -> str:
         node = Node(kind, region, r.stage, qual=qual, devices=devices, stream="dp", tags=r.tags,
@@ -63,6 +77,8 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
         return dag.add(node).key
 
     for b in buckets:
+        if b.block is not None:
+            continue
         full = b.numel * 4
         shard = -(-full // group_size)
         if zero == 0:

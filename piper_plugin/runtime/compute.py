@@ -33,7 +33,7 @@ def _forward(state: RankState, node: Node) -> None:
             args.append(state.inputs[v][mb])
         else:
             raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
-    with state.meter.window(node.key, saves=True):
+    with state.meter.window(node.key, saves=True), state.block_task(node.region, "F"):
         outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
     state.saved[(node.region, mb)] = (leaves, outputs)
     if node.region == state.loss_region:
@@ -65,8 +65,9 @@ def _backward(state: RankState, node: Node) -> None:
     with state.meter.window(node.key):  # the graph, and what it saved, goes inside
         leaves, outputs = state.saved.pop((node.region, node.microbatch))
         outs, grads = _output_grads(state, node, outputs, state.take(node.key))
-        if outs:
-            torch.autograd.backward(outs, grads)
+        with state.block_task(node.region, "B"):
+            if outs:
+                torch.autograd.backward(outs, grads)
         del outputs, outs, grads
     _deliver_input_grads(state, node, leaves, [leaf.grad for leaf in leaves.values()])
 
@@ -80,7 +81,8 @@ def _backward_input(state: RankState, node: Node) -> None:
         leaves, outputs = state.saved[key]
         outs, grads = _output_grads(state, node, outputs, state.take(node.key))
         wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
-        got, pending = backward_input(outs, grads, wanted)
+        with state.block_task(node.region, "BI"):
+            got, pending = backward_input(outs, grads, wanted)
         del outputs, outs, grads
         if state.dag.regions[node.region].params:
             state.pending_bw[key] = pending
@@ -98,7 +100,7 @@ def _weight_grads(state: RankState, node: Node) -> None:
     if key not in state.pending_bw:
         return
     pending = state.pending_bw.pop(key)
-    with state.meter.window(node.key):
+    with state.meter.window(node.key), state.block_task(node.region, "BW"):
         pending.run()
         del state.saved[key]
     state.meter.add(-pending.recorded_bytes)

@@ -25,7 +25,7 @@ from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
-__all__ = ["DistComm", "communicator_specs"]
+__all__ = ["DistComm", "communicator_specs", "block_regions"]
 
 # flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,7 +44,22 @@ def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
         elif node.kind in COLLECTIVES:
             for group in grid.groups(node.axis, node.devices):
                 specs.add((node.stream, group))
+    for region, axis, devices in block_regions(plan):
+        for group in grid.groups(axis, devices):
+            specs.add((block_stream(region), group))
     return sorted(specs)
+
+
+def block_stream(region: str) -> str:
+    """The communicator name of a region's ZeRO-3 blocks (used inside its chunk only)."""
+    return f"blocks:{region}"
+
+
+def block_regions(plan: Plan) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(region, replica axis, devices) of every region with ZeRO-3 buckets by block."""
+    dag = plan.dag
+    return [(region, "dp" if region in dag.meta.sharded else "data", buckets[0].group)
+            for region, buckets in sorted(dag.buckets.items()) if any(b.block is not None for b in buckets)]
 
 
 class DistComm:
@@ -73,6 +88,12 @@ class DistComm:
                     self.groups[(stream, ranks)] = group
         self._bucket_groups = {(node.region, node.bucket): self._group(node)[1] for node in plan.dag.nodes.values()
                                if node.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and rank in node.devices}
+        for region, axis, devices in block_regions(plan):
+            if rank in devices:
+                members = next(g for g in plan.grid.groups(axis, devices) if rank in g)
+                for b in plan.dag.buckets[region]:
+                    if b.block is not None:
+                        self._bucket_groups[(region, b.index)] = self.groups[(block_stream(region), members)]
 
     def wait_sends(self) -> None:
         with self._sends_lock:

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from piper_plugin.ir.capture import Program
 from piper_plugin.ir.nodes import COMPUTE
+from piper_plugin.runtime.block_gathers import BlockGathers
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
@@ -138,6 +139,7 @@ class Executor:
         replicas = [list(r) for r in config.replicas] if config.replicas else None
         check_plan_hash(plan, replicas=len(replicas) if replicas else 1)
         self.comm = DistComm(plan, rank, self.specs, config.timeout_s, self.device, replicas=replicas)
+        self._install_blocks(config.timeout_s)
         self._compute_context: Callable[[], ContextManager] | None = None
         self.runner = StreamRunner(plan.ranks[rank], self._execute, config.runner(), describe=self._describe,
                                    device=self.device, after=after_task)
@@ -145,6 +147,23 @@ class Executor:
         self.faces = (HostFaces(model, self.state.buckets, self.comm.bucket_group, adopted, self.device.type)
                       if hosted else None)
         self._stepped = False
+
+    def _install_blocks(self, timeout_s: float) -> None:
+        """ZeRO-3 by block: hooks on the blocks of this rank's regions that have them."""
+        state, dag = self.state, self.plan.dag
+        for region in state.regions:
+            specs = [b for b in dag.buckets.get(region, ()) if b.block is not None]
+            if not specs:
+                continue
+            chunk = state.chunks[region]
+            try:
+                modules = [chunk.get_submodule(b.block) for b in specs]
+            except AttributeError as err:
+                raise ValueError(f"region {region} declares block {err} that its chunk does not have") from None
+            state.blocks[region] = BlockGathers(
+                region, modules, [state.buckets[(region, b.index)] for b in specs],
+                self.comm.bucket_group((region, specs[0].index)), state.meter, state.bucket_lock, timeout_s,
+                state.cuda)
 
     # -- one training step -------------------------------------------------------------------
     def step(self, *, batch: Mapping[str, torch.Tensor] | None = None,

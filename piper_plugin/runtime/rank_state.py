@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import contextlib
 import threading
 
 import torch
@@ -73,6 +74,7 @@ class RankState:
         self.snapshot_grads = False
         self.fused_backward = plan.ranks[rank].fused
         self.input_grads_first = plan.ranks[rank].split_first
+        self.blocks: dict[str, Any] = {}  # region -> its BlockGathers (ZeRO-3 by block), set by the executor
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
         self.meter.track_working = not self.cuda
@@ -137,6 +139,11 @@ class RankState:
         self.inputs = self.microbatches(inputs)
         self.batch_shapes = tuple((name, tuple(tuple(t.shape) for t in mbs)) for name, mbs in self.inputs.items())
         self.losses = []
+
+    def block_task(self, region: str, kind: str):
+        """Context of one of ``region``'s tasks: its ZeRO-3 blocks' hooks serve it, if it has any."""
+        blocks = self.blocks.get(region)
+        return blocks.task(kind) if blocks is not None else contextlib.nullcontext()
 
     # -- data flow --------------------------------------------------------------------------
     def deliver(self, key: str, outputs: dict[str, torch.Tensor]) -> None:
