@@ -18,12 +18,18 @@ trains ``--steps`` steps. Reported per engine and local batch:
   (``cpu.return_freed_buffers``), so the peak RSS follows the tensors alive;
 * the largest local batch that fits under a cap: the cap is TorchTitan's default engine's peak
   at the ``--cap-batch`` batch, and every engine's largest swept batch whose peak stays under it;
-* tokens/s: median over ranks and the steps after the first of TorchTitan's ``tps``, and its
-  ratio to TorchTitan's engine at the same batch (``reshard always``). Runs of one batch follow
-  each other; four ranks share this machine's cores, so ratios compare engines within one
-  invocation only;
-* the resident state each level keeps per rank, as bytes from the parameter count (parameters,
-  gradients, AdamW state): what the level should save, next to what the peak shows.
+* tokens/s: the global batch's tokens over the median step time (the interval between the
+  last rank's consecutive step lines, steps after the first), and its ratio to TorchTitan's
+  engine at the same batch (``reshard always``). Runs of one batch follow each other; four ranks
+  share this machine's cores, so ratios compare engines within one invocation only;
+* the peak split, measured (``--piper.memory_split``, :mod:`piper_plugin.adapters.torchtitan.resident`)
+  on the rank with the largest peak at the largest batch every engine ran: the parameters,
+  gradients and optimizer state it keeps (its live tensors after the step), and the transient
+  rest (peak - start-up RSS - those), what a step holds only while it runs.
+
+Two models: ``llama3_widemodel`` (TorchTitan's llama3 debug config made parameter-heavy: dim
+1024, 16 layers, 210M parameters), where the model state fills a rank, and the stock
+``llama3_debugmodel`` (6M parameters), where the interpreter does.
 
     python -m benchmarks.zero_memory                                  # the published table
     python -m benchmarks.zero_memory --models llama3_debugmodel --batches 4 8 --steps 3
@@ -43,7 +49,7 @@ if __package__ in (None, ""):
 from benchmarks._common import code_version, command_line, markdown_table, median, write_result
 from piper_plugin.adapters.torchtitan import run_titan
 
-__all__ = ["main", "build_parser", "ENGINES", "peak_memory_gib", "largest_under"]
+__all__ = ["main", "build_parser", "ENGINES", "peak_memory_gib", "largest_under", "step_seconds", "memory_split"]
 
 # (label, engine, flags)
 ENGINES = [
@@ -58,13 +64,16 @@ BASELINE = "torch FSDP always"
 CAPPED = "torch FSDP default"
 _MEMORY = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB")
 _PARAMS = re.compile(r"size: ([\d,]+) total parameters")
+_STEP = re.compile(r"(\d\d):(\d\d):(\d\d),(\d+) - root - INFO - step:\s*(\d+)\s")
+_SPLIT = re.compile(r"Piper memory split: rank (\d+) step (\d+) params ([\d.]+)GiB grads ([\d.]+)GiB "
+                    r"optimizer ([\d.]+)GiB start-up ([\d.]+)GiB peak ([\d.]+)GiB transient (-?[\d.]+)GiB")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama3_debugmodel", "deepseek_v3_debugmodel"],
+    parser.add_argument("--models", nargs="+", default=["llama3_widemodel", "llama3_debugmodel"],
                         help="stock TorchTitan configs; each runs as its drop-in <model>_pp2_1f1b on 4 ranks")
-    parser.add_argument("--batches", nargs="+", type=int, default=[4, 8, 16, 32],
+    parser.add_argument("--batches", nargs="+", type=int, default=[4, 8, 16],
                         help="local batch sizes (multiples of 4: four microbatches)")
     parser.add_argument("--seq-len", type=int, default=32, help="short sequences: parameters dominate")
     parser.add_argument("--steps", type=int, default=3)
@@ -81,34 +90,46 @@ def peak_memory_gib(log: str, step: int) -> float | None:
     return max(values) if values else None
 
 
+def step_seconds(log: str) -> list[float]:
+    """Each step's seconds after the first: from the previous step's line to its own (each at
+    its last rank's line)."""
+    last: dict[int, float] = {}
+    for m in _STEP.finditer(log):
+        t = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3]) + int(m[4]) / 1000
+        last[int(m[5])] = max(last.get(int(m[5]), t), t)
+    steps = sorted(last)
+    return [(last[b] - last[a]) % 86400 for a, b in zip(steps, steps[1:])]
+
+
+def memory_split(log: str, step: int) -> tuple[float, float, float, float] | None:
+    """(params, grads, optimizer, transient) GiB of the rank with the largest peak at ``step``."""
+    rows = [m for m in _SPLIT.finditer(log) if int(m[2]) == step]
+    if not rows:
+        return None
+    top = max(rows, key=lambda m: float(m[7]))
+    return float(top[3]), float(top[4]), float(top[5]), float(top[8])
+
+
 def largest_under(peaks: dict[int, float | None], cap: float) -> int:
     """The largest batch whose peak is at most ``cap`` (0: none)."""
     return max((b for b, p in peaks.items() if p is not None and p <= cap), default=0)
-
-
-def _resident(params: int, zero: str, dp: int = 2, pp: int = 2) -> tuple[float, float, float]:
-    """(parameters, gradients, AdamW state) in GiB one rank keeps through a step, fp32."""
-    stage = params * 4 / pp / 2**30
-    shard = stage / dp
-    if zero in ("torch FSDP default", "torch FSDP always"):  # gathered for the step, grads unsharded until the end
-        return stage, stage, 2 * shard
-    level = int(zero[-1])
-    return (shard if level == 3 else stage, shard if level >= 2 else stage, 2 * (shard if level >= 1 else stage))
 
 
 def _run(model: str, label: str, engine: str, flags: list[str], batch: int, args, folder: Path):
     extra = ["--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(batch),
              "--parallelism.pipeline_parallel_microbatch_size", str(batch // 4),
              "--parallelism.data_parallel_shard_degree", "2", "--training.mixed_precision_param", "float32",
-             "--debug.seed", "42", *flags]
+             "--debug.seed", "42", "--piper.memory_split", *flags]
     run = run_titan(f"{model}_pp2_1f1b", engine, dump_folder=folder / f"{model}-{label.replace(' ', '_')}-{batch}",
                     nproc=4, steps=args.steps, extra=extra, timeout_s=1200)
     if not run.ok:
         print(f"{model} {label} batch {batch}: failed (exit {run.returncode})\n{run.tail()}", file=sys.stderr)
-        return None, None, None
-    tps = median([t for step, rates in run.tps.items() if step > 1 for t in rates]) if run.tps else None
+        return None, None, None, None
+    seconds = step_seconds(run.log)
+    tps = batch * args.seq_len * 2 / median(seconds) if seconds else None  # 2 data-parallel ranks
     params = _PARAMS.search(run.log)
-    return peak_memory_gib(run.log, args.steps), tps, int(params[1].replace(",", "")) if params else None
+    return (peak_memory_gib(run.log, args.steps), tps, int(params[1].replace(",", "")) if params else None,
+            memory_split(run.log, args.steps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         for model in args.models:
             peaks: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
             rates: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
+            splits: dict[str, dict[int, tuple | None]] = {label: {} for label, _, _ in ENGINES}
             params = None
             for batch in args.batches:
                 for label, engine, flags in ENGINES:
-                    peak, tps, count = _run(model, label, engine, flags, batch, args, Path(tmp))
-                    peaks[label][batch], rates[label][batch] = peak, tps
+                    peak, tps, count, split = _run(model, label, engine, flags, batch, args, Path(tmp))
+                    peaks[label][batch], rates[label][batch], splits[label][batch] = peak, tps, split
                     params = params or count
                     print(f"{model} batch {batch} {label}: peak {peak} GiB, {tps} tokens/s", flush=True)
             figures[model] = peaks
@@ -141,21 +163,26 @@ def main(argv: list[str] | None = None) -> int:
                 ratios = [rates[label][b] / rates[BASELINE][b] for b in args.batches
                           if rates[label][b] and rates[BASELINE][b]]
                 row.append(f"{median(ratios):.2f}" if ratios else "n/a")
-                row += [f"{x:.3f}" for x in _resident(params, label)] if params else ["n/a"] * 3
                 rows.append(row)
             headers = (["engine"] + [f"peak GiB @ batch {b}" for b in args.batches]
-                       + [f"largest batch under {cap:.2f} GiB" if cap else "largest batch", "tokens/s vs always",
-                          "params GiB", "grads GiB", "AdamW GiB"])
-            rate_rows = [[label] + [f"{rates[label][b]:.0f}" if rates[label][b] else "n/a" for b in args.batches]
+                       + [f"largest batch under {cap:.2f} GiB" if cap else "largest batch", "tokens/s vs always"])
+            ran = [b for b in args.batches if all(splits[label].get(b) for label, _, _ in ENGINES)]
+            split_batch = max(ran, default=None)
+            split_rows = [[label] + [f"{x:.3f}" for x in splits[label][split_batch]] for label, _, _ in ENGINES
+                          ] if split_batch else []
+            rate_rows = [[label] + [f"{rates[label][b]:.1f}" if rates[label][b] else "n/a" for b in args.batches]
                          for label, _, _ in ENGINES]
+            split_text = (f"Peak split at batch {split_batch}, measured on the rank with the largest peak (GiB; "
+                          f"transient = peak - start-up RSS - kept state):\n\n"
+                          f"{markdown_table(['engine', 'params', 'grads', 'optimizer', 'transient'], split_rows)}\n\n"
+                          if split_rows else "")
             sections.append(
                 f"## {model}_pp2_1f1b, 4 ranks (pp 2 x dp_shard 2), seq {args.seq_len}, "
                 f"{params or '?'} parameters\n\n"
                 f"Peak memory per rank (largest over ranks, last step), the largest swept batch under the cap "
-                f"(TorchTitan default's peak at batch {cap_batch}), the median tokens/s ratio to TorchTitan "
-                f"reshard-always over the batches, and the resident state each level keeps per rank (from the "
-                f"parameter count: an average stage).\n\n{markdown_table(headers, rows)}\n\n"
-                f"Tokens/s per rank (median over ranks and steps after the first):\n\n"
+                f"(TorchTitan default's peak at batch {cap_batch}) and the median tokens/s ratio to TorchTitan "
+                f"reshard-always over the batches.\n\n{markdown_table(headers, rows)}\n\n{split_text}"
+                f"Tokens/s (global batch tokens over the median step time):\n\n"
                 f"{markdown_table(['engine'] + [f'batch {b}' for b in args.batches], rate_rows)}\n")
     out = write_result(args.out, "zero_memory.md", "")
     plot = args.plot or out.with_suffix(".png")

@@ -126,7 +126,17 @@ def test_zero_memory_reads_peaks_and_caps():
     assert zero_memory.largest_under({4: 1.0, 8: 1.2, 16: None}, 1.1) == 4
     assert zero_memory.largest_under({4: 1.3}, 1.1) == 0
     args = zero_memory.build_parser().parse_args(["--batches", "4", "8"])
-    assert args.batches == [4, 8] and args.models == ["llama3_debugmodel", "deepseek_v3_debugmodel"]
+    assert args.batches == [4, 8] and args.models == ["llama3_widemodel", "llama3_debugmodel"]
+    steps = ("[titan] 2026-12-02 01:00:00,000 - root - INFO - step:  1  loss: 9\n"
+             "[titan] 2026-12-02 01:00:10,500 - root - INFO - step:  2  loss: 8\n"
+             "[titan] 2026-12-02 01:00:11,000 - root - INFO - step:  2  loss: 8\n"  # the last rank's line counts
+             "[titan] 2026-12-02 01:00:23,000 - root - INFO - step:  3  loss: 7\n")
+    assert zero_memory.step_seconds(steps) == [11.0, 12.0]  # steps 2 and 3
+    split = ("Piper memory split: rank 0 step 3 params 0.1000GiB grads 0.1000GiB optimizer 0.2000GiB start-up 0.5000GiB "
+             "peak 1.2000GiB transient 0.3000GiB\n"
+             "Piper memory split: rank 1 step 3 params 0.2000GiB grads 0.2000GiB optimizer 0.4000GiB start-up 0.5000GiB "
+             "peak 1.5000GiB transient 0.2000GiB\n")
+    assert zero_memory.memory_split(split, 3) == (0.2, 0.2, 0.4, 0.2) and zero_memory.memory_split(split, 2) is None
     with pytest.raises(SystemExit):
         zero_memory.main(["--batches", "6"])
 

@@ -2,7 +2,8 @@
 a time inside the chunk. Four forked gloo ranks (pp=2 x dp=2) train a toy decoder cut as a host
 cuts its stages (embedding, blocks ``layers.<i>``, norm and head), with param groups and a
 frozen parameter inside a block, against plain PyTorch on one device, parameter by parameter;
-and while a block computes, at most one other block of its stage is gathered (1F1B)."""
+and as a block's forward starts, at most the next one of its stage's three is gathered too (its
+prefetch; 1F1B and interleaved)."""
 from __future__ import annotations
 
 import pytest
@@ -19,11 +20,11 @@ V, D, SEQ, BATCH, M, STEPS = 64, 32, 8, 16, 4, 3
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden: int = 2 * D):
         super().__init__()
         self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, 2 * D)
-        self.down = nn.Linear(2 * D, D)
+        self.up = nn.Linear(D, hidden)
+        self.down = nn.Linear(hidden, D)
 
     def forward(self, x):
         return x + self.down(F.gelu(self.up(self.norm(x))))
@@ -35,7 +36,9 @@ class Stage(nn.Module):
     def __init__(self, first: bool, last: bool, layers: list[int]):
         super().__init__()
         self.embed = nn.Embedding(V, D) if first else None
-        self.layers = nn.ModuleDict({str(i): Block() for i in layers})
+        # block 2's rows do not split evenly over two ranks: its collectives go through the
+        # bucket's padded layout, the others' straight through the parameters
+        self.layers = nn.ModuleDict({str(i): Block(2 * D + 1 if i == 2 else 2 * D) for i in layers})
         self.norm = nn.LayerNorm(D) if last else None
         self.head = nn.Linear(D, V) if last else None
 
@@ -48,7 +51,7 @@ class Stage(nn.Module):
 
 def _parts(stages: int) -> list[Stage]:
     torch.manual_seed(0)
-    parts = [Stage(s == 0, s == stages - 1, [2 * s, 2 * s + 1]) for s in range(stages)]
+    parts = [Stage(s == 0, s == stages - 1, [3 * s, 3 * s + 1, 3 * s + 2]) for s in range(stages)]
     parts[0].layers["1"].norm.weight.requires_grad_(False)  # frozen, inside a block
     return parts
 
@@ -112,7 +115,7 @@ def _rank(rank: int, port: int, recipe: str, blocks: bool, out) -> None:
                                   optimizer_fn=lambda params: _optimizer(params.named()),
                                   config=piper.ExecutorConfig(timeout_s=60))
         state = executor.state
-        at_once = [0]  # the most block buckets gathered as a block's forward starts
+        at_once = [0]  # the most block buckets gathered (or being gathered) as a block's forward starts
         for gathers in state.blocks.values():
             for module in gathers.modules:
                 def count(module, args, of=gathers):
@@ -157,7 +160,7 @@ def test_zero3_by_block_matches_single_device(recipe):
         assert r["blocks"], "no region gathered by block"
         seen.update(r["params"])
         if recipe != "dualpipev":  # a split backward keeps a stage's blocks gathered from BI to BW
-            assert r["at_once"] == 1, r["at_once"]
+            assert r["at_once"] <= 2, r["at_once"]  # the block and the next one, prefetched; of 3
     assert seen.keys() == reference.keys()
     for name, want in reference.items():
         err = (seen[name] - want).abs().max().item() / max(want.abs().max().item(), 1e-12)
@@ -174,3 +177,14 @@ def test_blocks_lower_the_peak_below_whole_stage_gathers():
         assert by_block[rank]["peak"] < whole[rank]["peak"], (rank, by_block[rank]["peak"], whole[rank]["peak"])
         for name, p in by_block[rank]["params"].items():
             assert torch.allclose(p, whole[rank]["params"][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_simulated_transient_holds_blocks_not_stages():
+    """The simulator's transient peak per rank, from the same directives: by block (a forward
+    two blocks, a backward four) below whole-stage gathers (the stage, twice over a 1F1B)."""
+    parts = _parts(2)
+    program = build_stage_program(parts, microbatch_size=BATCH // 2 // M, microbatches=M, seq_len=SEQ,
+                                  hidden_dim=D, dtype=torch.float32, data_shards=2)
+    by_block = piper.compile_program(program, _schedule("1f1b", True)).simulation.peak_transient_bytes
+    whole = piper.compile_program(program, _schedule("1f1b", False)).simulation.peak_transient_bytes
+    assert all(b < w for b, w in zip(by_block, whole)), (by_block, whole)

@@ -88,11 +88,15 @@ def reset_peak_rss() -> bool:
         return False
 
 
+last_peak_rss = 0  # the peak RSS TorchTitan's memory monitor read last (its ``memory:`` figure)
+
+
 def _memory_stats() -> dict[str, int]:
     """TorchTitan's memory monitor reads peaks here and resets them after every logged step, so
     on CPU its ``memory:`` figure is the rank process's peak RSS over that step (all of the
     process's memory, not only tensors: Python, libraries, allocator slack included)."""
-    peak = peak_rss_bytes()
+    global last_peak_rss
+    peak = last_peak_rss = peak_rss_bytes()
     return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0,
             "num_ooms": 0}
 

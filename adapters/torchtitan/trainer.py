@@ -14,10 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from torchtitan.config import ParallelismConfig
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from piper_plugin.adapters.torchtitan import cpu, titan_log
+from piper_plugin.adapters.torchtitan import cpu, resident, titan_log
 
 __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
 
@@ -48,6 +50,11 @@ class PiperOptions:
     """Size of Piper's ZeRO / gradient-reduction buckets in MiB under a built-in recipe: each is
     gathered, laid out and reduced on its own, so the transient copies stay one bucket."""
 
+    memory_split: bool = False
+    """Log, after every step, the parameters, gradients and optimizer state each rank keeps
+    (bytes of its live tensors), and once its RSS at start-up: with the ``memory:`` figure, the
+    split of a step's peak (either engine; :mod:`.resident`)."""
+
 
 class PiperTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
@@ -56,6 +63,7 @@ class PiperTrainer(Trainer):
         piper: PiperOptions = field(default_factory=PiperOptions)
 
     def __init__(self, config: "PiperTrainer.Config"):
+        startup_rss = resident.current_rss_bytes()
         on_cpu = cpu.on_cpu()
         self._log_filter = titan_log.install(cpu=on_cpu)
         if on_cpu:
@@ -71,6 +79,14 @@ class PiperTrainer(Trainer):
         if on_cpu:
             titan_log.skip_mfu(self)
             cpu.sum_reductions_on_gloo(self.model_parts)
+        self._startup_rss = startup_rss
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        if self.config.piper.memory_split:
+            held = resident.resident_bytes(self.model_parts, self.optimizers)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            logger.info(resident.split_line(rank, self.step, held, self._startup_rss, cpu.last_peak_rss))
 
     def init_distributed(self):
         dims = super().init_distributed()

@@ -43,6 +43,36 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Collectives:
+    """Asynchronous gathers and reduce-scatters over one group, each issued as ``(work, then)``:
+    ``then`` (or None) runs once the work ended. On gloo both go through its all-reduce, about
+    1.5-2x faster there than its all-gather and reduce-scatter (HOST_FRAMEWORKS.md), with the
+    same result: a gather as the sum of zero-padded shards (exact), a reduce-scatter as the full
+    sum of which this member keeps its rows."""
+
+    def __init__(self, group: Any, index: int, n: int):
+        self.group, self.index, self.n = group, index, n
+        self.by_all_reduce = dist.get_backend(group) == "gloo"
+
+    def gather(self, out: torch.Tensor, shard: torch.Tensor):
+        if not self.by_all_reduce:
+            return _all_gather(out, shard, group=self.group, async_op=True), None
+        blocks = out.view(self.n, -1)
+        blocks[:self.index].zero_()
+        blocks[self.index + 1:].zero_()
+        blocks[self.index].copy_(shard)
+        return dist.all_reduce(out, group=self.group, async_op=True), None
+
+    def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor):
+        if not self.by_all_reduce:
+            return _reduce_scatter(out, src, group=self.group, async_op=True), None
+        return (dist.all_reduce(src, group=self.group, async_op=True),
+                lambda: out.copy_(src.view(self.n, -1)[self.index]))
+
+    def all_reduce(self, t: torch.Tensor):
+        return dist.all_reduce(t, group=self.group, async_op=True), None
+
+
 class BlockGathers:
     """The blocks of one region on this rank: ``modules[k]`` runs with ``buckets[k]``'s
     parameters. ``meter`` counts materialized buckets and reductions in flight; ``lock`` is the
@@ -53,6 +83,7 @@ class BlockGathers:
         self.region, self.modules, self.buckets, self.group = region, modules, buckets, group
         self.meter, self.lock, self.cuda = meter, lock, cuda
         self.timeout = timedelta(seconds=timeout_s)
+        self.ops = _Collectives(group, buckets[0].index, buckets[0].n)
         self.reduces = [any(p.requires_grad for p in b.params) for b in buckets]
         self.mode: str | None = None  # the kind of this region's task now running (F, B, BI, BW)
         self._in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # gathers issued, not laid out yet
@@ -142,9 +173,15 @@ class BlockGathers:
         if k in self._in_flight or k in self._held or self.buckets[k].materialized:
             return
         bucket = self.buckets[k]
+        if bucket.in_place:  # straight into the parameters: no layout copy
+            with self.lock:
+                self.meter.add(bucket.padded * bucket.flat.element_size())
+                works, shard = bucket.gather_in_place(self.ops.gather)
+            self._in_flight[k] = (works, shard, None)
+            return
         shard = bucket.shard_data().contiguous()
         out = shard.new_empty(shard.numel() * bucket.n)
-        self._in_flight[k] = (_all_gather(out, shard, group=self.group, async_op=True), out)
+        self._in_flight[k] = ([self.ops.gather(out, shard)], shard, out)
 
     def _acquire(self, k: int) -> None:
         if k in self._held:
@@ -155,12 +192,14 @@ class BlockGathers:
         self._lay_out(k)
 
     def _lay_out(self, k: int) -> None:
-        work, out = self._in_flight.pop(k)
-        self._wait(work)
-        bucket = self.buckets[k]
-        with self.lock:
-            self.meter.add(bucket.padded * bucket.flat.element_size())
-            bucket.materialize(out)
+        works, _, out = self._in_flight.pop(k)
+        for work in works:
+            self._wait(work)
+        if out is not None:  # rank-major: laid out into the parameters
+            bucket = self.buckets[k]
+            with self.lock:
+                self.meter.add(bucket.padded * bucket.flat.element_size())
+                bucket.materialize(out)
         self._held.add(k)
 
     def _let_go(self, k: int) -> None:
@@ -188,19 +227,23 @@ class BlockGathers:
         self._finish_reductions()
         if self.reduces[k]:
             bucket = self.buckets[k]
-            payload = bucket.flat_grad(take=True)
-            out = payload.new_empty(payload.numel() // bucket.n)
-            work = _reduce_scatter(out, payload, group=self.group, async_op=True)
-            self._reductions.append((k, work, payload, out))
+            if bucket.in_place:  # straight from the gradients: no layout copy
+                works, out, sources = bucket.reduce_in_place(self.ops.reduce_scatter, self.ops.all_reduce)
+            else:
+                sources = bucket.flat_grad(take=True)
+                out = sources.new_empty(sources.numel() // bucket.n)
+                works = [self.ops.reduce_scatter(out, sources)]
+            self._reductions.append((k, works, sources, out))
         self._reduced.add(k)
         self._let_go(k)
 
     def _finish_reductions(self) -> None:
         reductions, self._reductions = self._reductions, []
-        for k, work, payload, out in reductions:
-            self._wait(work)
+        for k, works, sources, out in reductions:
+            for work in works:
+                self._wait(work)
             self.buckets[k].add_shard_grad(out)
-            del payload
+            del sources
 
     def _check_reduced(self) -> None:
         """A block whose gradient grew after its reduce-scatter broke the blocks' contract."""
@@ -210,11 +253,14 @@ class BlockGathers:
                 raise RuntimeError(f"region {self.region}: block {k} got a gradient after its reduce-scatter; "
                                    f"blocks must run in sequence and use only their own parameters")
 
-    def _wait(self, work) -> None:
+    def _wait(self, issued) -> None:
+        work, then = issued
         if self.cuda:
             work.wait()
         else:
             work.wait(self.timeout)
+        if then is not None:
+            then()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -165,6 +165,42 @@ class FlatBucket:
             out[start:start + shard.numel()] = shard.detach().reshape(-1)
         return out
 
+    # -- collectives per parameter, in place ------------------------------------------------
+    @property
+    def in_place(self) -> bool:
+        """Every parameter's rows split evenly over the members: a parameter's rank-major layout
+        is then its own, so collectives can run per parameter straight on ``flat`` and ``.grad``
+        with no layout copy (:meth:`gather_in_place`, :meth:`reduce_in_place`)."""
+        return all(p.dim() and r % self.n == 0 for p, r in zip(self.params, self.rows))
+
+    def gather_in_place(self, all_gather) -> tuple[list, torch.Tensor]:
+        """Give ``flat`` its storage back and issue ``all_gather(out, shard)`` per parameter from
+        this member's rows into it. Returns the works and the source (alive until they end)."""
+        flat, shard = self.allocate(), self.shard_data()
+        return [all_gather(flat[o:o + s * self.n], shard[st:st + s])
+                for o, st, s in zip(self._offsets, self._starts, self.segments)], shard
+
+    def reduce_in_place(self, reduce_scatter, all_reduce) -> tuple[list, torch.Tensor, list]:
+        """Issue ``reduce_scatter(out, grad)`` per parameter from its ``.grad`` (taken) into this
+        member's block of the result, and ``all_reduce`` of the per-parameter flags after it:
+        :meth:`add_shard_grad`'s input once the works end. Returns the works, the result and the
+        sources (alive until the works end)."""
+        dtype, device = self.reduce_dtype, self.flat.device
+        out = torch.empty(self.shard_numel + self.flags, dtype=dtype, device=device)
+        works, sources = [], []
+        for p, st, s in zip(self.params, self._starts, self.segments):
+            g = p.grad
+            src = (g.reshape(-1).to(dtype).contiguous() if g is not None
+                   else torch.zeros(p.numel(), dtype=dtype, device=device))
+            sources.append(src)
+            works.append(reduce_scatter(out[st:st + s], src))
+        flags = out[self.shard_numel:]
+        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=dtype))
+        works.append(all_reduce(flags))
+        for p in self.params:
+            p.grad = None
+        return works, out, sources
+
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
         """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)

@@ -7,6 +7,12 @@ which counts references to it). A backward task also holds its region's working 
 it runs (``Region.backward``, as the runtime runs that task: whole, or split in input and
 weight passes), and an input-gradient pass leaves what it recorded for the weight pass until
 that one finishes. Sent messages are held as :class:`TransientMemory` says.
+
+ZeRO-3 by block (buckets gathered inside a chunk, :mod:`piper_plugin.runtime.block_gathers`):
+a forward holds two blocks' parameters (the one running and the next, prefetched), a backward
+four (the block, the next one's prefetch, its gradient and the previous block's gradient being
+reduced), a weight pass two (gradients being reduced); an input-gradient pass gathers every
+block of its region and keeps them until its weight pass has run (one copy however many wait).
 """
 from __future__ import annotations
 
@@ -45,6 +51,10 @@ class TransientMemory:
         self.sent: dict[tuple[str, int], int] = {}  # (SEND, its rank) in flight -> bytes
         self.arrived: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # (RECV's finish, bytes)
         self.for_weights: dict[tuple[int, str, int], int | None] = {}  # (rank, region, mb) -> BI's kept (None: whole)
+        # ZeRO-3 by block: region -> (largest block, all blocks) in bytes; BI -> its span of held blocks
+        self.blocks = {region: (max(sizes), sum(sizes)) for region, buckets in plan.dag.buckets.items()
+                       if (sizes := [b.numel * 4 for b in buckets if b.block is not None])}
+        self.pinned: dict[tuple[int, str, int], list] = {}
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -59,6 +69,8 @@ class TransientMemory:
             self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
         if node.kind in _BACKWARDS:
             self._working(r, node, start, finish)
+        if node.is_compute and node.region in self.blocks:
+            self._block_memory(r, node, start, finish)
         if node.kind in self.holding:
             held = self.held.get(key)
             if held is None:
@@ -124,6 +136,28 @@ class TransientMemory:
         if rise or kept:
             self.events[r] += [(start, rise), (finish, kept - rise)]
 
+    def _block_memory(self, r: int, node, start: float, finish: float) -> None:
+        largest, whole = self.blocks[node.region]
+        slot = (r, node.region, node.microbatch)
+        rise = 0
+        if node.kind == Kind.F:
+            rise = 2 * largest
+        elif node.kind == Kind.B:  # split by the plan: BI's gathers stay for its BW, inside the task
+            rise = whole + 2 * largest if node.key in self.plan.ranks[r].split_first else 4 * largest
+        elif node.kind == Kind.BI:
+            if node.key in self.plan.ranks[r].fused:  # run whole, as a B
+                rise = 4 * largest
+            else:
+                span = self.pinned[slot] = [start, finish, (node.region, "blocks"), whole]
+                self.gathers[r][f"{node.key}:blocks"] = span
+        elif node.kind == Kind.BW:
+            span = self.pinned.pop(slot, None)
+            if span is not None:
+                span[1] = finish
+            rise = 2 * largest
+        if rise:
+            self.events[r] += [(start, rise), (finish, -rise)]
+
     def _let_go(self, r: int, start: float) -> None:
         """Sends that arrived before a compute task starting at ``start`` on rank ``r`` free
         their buffers then."""
@@ -178,8 +212,8 @@ def _held_bytes(plan: Plan, node, shards: int) -> int:
     if node.kind == Kind.RECV:
         return node.bytes
     if node.kind in (Kind.B, Kind.BW) and dag.meta.replicated.get(node.region, 0) >= 2:
-        sizes = dag.meta.param_bytes
-        return sum(sizes[p] for p in dag.meta.update_params[node.region]) // dag.meta.sharded.get(node.region, 1)
+        # handed to the plan's per-microbatch reduce-scatters (blocks reduce inside the chunk)
+        return sum(b.numel * 4 for b in dag.buckets.get(node.region, ()) if b.block is None)
     return 0
 
 
