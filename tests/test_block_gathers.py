@@ -1,5 +1,5 @@
-"""ZeRO-3 by block: module regions that declare their blocks gather, free and reduce them one at
-a time inside the chunk. Four forked gloo ranks (pp=2 x dp=2) train a toy decoder cut as a host
+"""ZeRO by block: module regions that declare their blocks reduce (ZeRO-2 and 3) and gather and
+free (ZeRO-3) them one at a time inside the chunk. Four forked gloo ranks (pp=2 x dp=2) train a toy decoder cut as a host
 cuts its stages (embedding, blocks ``layers.<i>``, norm and head), with param groups and a
 frozen parameter inside a block, against plain PyTorch on one device, parameter by parameter;
 and as a block's forward starts, at most the next one of its stage's three is gathered too (its
@@ -85,9 +85,9 @@ def _reference(stages: int) -> dict[str, torch.Tensor]:
     return {f"model.stages.{n}": p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _schedule(recipe: str, blocks: bool):
+def _schedule(recipe: str, blocks: bool, zero: int = 3):
     def apply(program):
-        sch = piper.recipes.load(recipe).schedule(program, pp=2, dp=2, microbatches=M, zero=3)
+        sch = piper.recipes.load(recipe).schedule(program, pp=2, dp=2, microbatches=M, zero=zero)
         if blocks:
             return sch
         trace = sch.to_json()  # the same directives with whole-stage gathers
@@ -98,7 +98,7 @@ def _schedule(recipe: str, blocks: bool):
     return apply
 
 
-def _rank(rank: int, port: int, recipe: str, blocks: bool, out) -> None:
+def _rank(rank: int, port: int, recipe: str, blocks: bool, zero: int, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:
@@ -106,7 +106,7 @@ def _rank(rank: int, port: int, recipe: str, blocks: bool, out) -> None:
         parts = _parts(stages)
         program = build_stage_program(parts, microbatch_size=BATCH // 2 // M, microbatches=M, seq_len=SEQ,
                                       hidden_dim=D, dtype=torch.float32, data_shards=2)
-        plan = piper.compile_program(program, _schedule(recipe, blocks)).plan
+        plan = piper.compile_program(program, _schedule(recipe, blocks, zero)).plan
         pp_rank = plan.grid.coords(rank)[0]
         local = {int(r) for r, where in plan.dag.meta.placement.items() if where == pp_rank}
         model = LocalStages({s: parts[s] for s in local})
@@ -140,8 +140,8 @@ def _rank(rank: int, port: int, recipe: str, blocks: bool, out) -> None:
         dist.destroy_process_group()
 
 
-def _train(recipe: str, blocks: bool) -> dict:
-    results = run_ranks(_rank, 4, recipe, blocks)
+def _train(recipe: str, blocks: bool, zero: int = 3) -> dict:
+    results = run_ranks(_rank, 4, recipe, blocks, zero)
     errors = [r["error"] for r in results.values() if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results.values():
@@ -150,16 +150,17 @@ def _train(recipe: str, blocks: bool) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
 @pytest.mark.parametrize("recipe", ["1f1b", "interleaved-1f1b", "dualpipev"])
-def test_zero3_by_block_matches_single_device(recipe):
+def test_zero_by_block_matches_single_device(recipe, zero):
     stages = piper.recipes.load(recipe).stages(2)
     reference = _reference(stages)
-    results = _train(recipe, blocks=True)
+    results = _train(recipe, blocks=True, zero=zero)
     seen = {}
     for r in results.values():
-        assert r["blocks"], "no region gathered by block"
+        assert r["blocks"], "no region reduced by block"
         seen.update(r["params"])
-        if recipe != "dualpipev":  # a split backward keeps a stage's blocks gathered from BI to BW
+        if zero == 3 and recipe != "dualpipev":  # a split backward keeps the blocks gathered from BI to BW
             assert r["at_once"] <= 2, r["at_once"]  # the block and the next one, prefetched; of 3
     assert seen.keys() == reference.keys()
     for name, want in reference.items():
@@ -170,21 +171,23 @@ def test_zero3_by_block_matches_single_device(recipe):
 
 
 @pytest.mark.slow
-def test_blocks_lower_the_peak_below_whole_stage_gathers():
-    """Same plan, same numbers; the meter's peak per rank is lower gathering block by block."""
-    by_block, whole = _train("1f1b", blocks=True), _train("1f1b", blocks=False)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_blocks_lower_the_peak_below_whole_buckets(zero):
+    """Same plan, same numbers; the meter's peak per rank is lower by block than with whole
+    buckets (ZeRO-3: gathered for the task; ZeRO-2: a stage's gradients handed to a reduce-scatter)."""
+    by_block, whole = _train("1f1b", blocks=True, zero=zero), _train("1f1b", blocks=False, zero=zero)
     for rank in by_block:
         assert by_block[rank]["peak"] < whole[rank]["peak"], (rank, by_block[rank]["peak"], whole[rank]["peak"])
         for name, p in by_block[rank]["params"].items():
             assert torch.allclose(p, whole[rank]["params"][name], rtol=1e-5, atol=1e-7), name
 
 
-def test_simulated_transient_holds_blocks_not_stages():
+def test_simulated_transient_holds_blocks_not_stages(zero=3):
     """The simulator's transient peak per rank, from the same directives: by block (a forward
     two blocks, a backward four) below whole-stage gathers (the stage, twice over a 1F1B)."""
     parts = _parts(2)
     program = build_stage_program(parts, microbatch_size=BATCH // 2 // M, microbatches=M, seq_len=SEQ,
                                   hidden_dim=D, dtype=torch.float32, data_shards=2)
-    by_block = piper.compile_program(program, _schedule("1f1b", True)).simulation.peak_transient_bytes
-    whole = piper.compile_program(program, _schedule("1f1b", False)).simulation.peak_transient_bytes
+    by_block = piper.compile_program(program, _schedule("1f1b", True, zero)).simulation.peak_transient_bytes
+    whole = piper.compile_program(program, _schedule("1f1b", False, zero)).simulation.peak_transient_bytes
     assert all(b < w for b, w in zip(by_block, whole)), (by_block, whole)

@@ -69,3 +69,34 @@ def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):
         check_parallelism(_dims(**degrees))
     assert "pipeline_engine torch" in str(info.value) or "set the replicate degree to 1" in str(info.value)
     check_parallelism(_dims())  # pp x dp_shard runs
+
+
+def test_the_wide_base_config_is_reachable_and_parameter_heavy():
+    assert unknown("llama3_widemodel_pp2_dp2_zero3") == "" and unknown("llama3_widemodel") == ""
+    config = config_registry.llama3_widemodel_pp2_dp2_zero3()
+    model = config.model_spec.model
+    assert model.dim == 1024 and len(model.layers) == 16 and config.piper.zero == 3
+    assert model.tok_embeddings.embedding_dim == 1024 and model.lm_head.in_features == 1024
+
+
+def test_the_memory_split_counts_each_storage_once():
+    """--piper.memory_split: parameters, gradients and optimizer state from live tensors; a
+    parameter viewing a larger buffer counts the buffer (a ZeRO-1/2 bucket holds it whole)."""
+    import torch
+
+    from piper_plugin.adapters.torchtitan.resident import resident_bytes, split_line
+
+    flat = torch.zeros(100)
+    a, b = torch.nn.Parameter(flat[:60].view(6, 10)), torch.nn.Parameter(flat[60:].view(4, 10))
+    part = torch.nn.Module()
+    part.a, part.b = a, b
+    part.c = torch.nn.Parameter(torch.zeros(7))
+    opt = torch.optim.AdamW([a, b, part.c])
+    for p in (a, b, part.c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held = resident_bytes([part], SimpleNamespace(optimizers=[opt]))
+    assert held == {"params": (100 + 7) * 4, "grads": (60 + 40 + 7) * 4,
+                    "optimizer": 2 * (60 + 40 + 7) * 4 + 3 * 4}  # exp_avg, exp_avg_sq, step
+    line = split_line(3, 2, held, startup=2**30, peak=2**31)
+    assert line.startswith("Piper memory split: rank 3 step 2 params 0.0000GiB") and "peak 2.0000GiB" in line

@@ -137,10 +137,10 @@ class Schedule:
 
     def replicate(self, regions: str = "*", *, zero: int = 0, bucket_bytes: int | None = None,
                   blocks: bool = True) -> "Schedule":
-        """Data parallelism over each region's replicas, ZeRO level ``zero`` (0-3). With
-        ``zero=3`` a region that declares blocks (module regions, e.g. a TorchTitan stage's
-        transformer blocks) gathers and reduces them one at a time inside its chunk, as FSDP
-        does, unless ``blocks=False``: then each bucket is gathered for the whole chunk."""
+        """Data parallelism over each region's replicas, ZeRO level ``zero`` (0-3). At ZeRO 2
+        and 3 a region that declares blocks (module regions, e.g. a TorchTitan stage's
+        transformer blocks) reduces (and at ZeRO-3 gathers) them one at a time inside its chunk,
+        as FSDP does, unless ``blocks=False``: then whole buckets, by the plan's own nodes."""
         self._before_split("replicate", repr(regions))
         self._close_placement("replicate")
         hits = self._regions("replicate", regions)

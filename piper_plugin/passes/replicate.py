@@ -9,11 +9,12 @@ Per bucket, with group = the region's replicas (axis ``data``; ``dp`` for EP-sha
 * ZeRO-3: ALL_GATHER -> F and ALL_GATHER -> B (per microbatch), B -> REDUCE_SCATTER
   (per microbatch) -> UPDATE of the shard; nothing stays gathered.
 
-ZeRO-3 by block (``blocks``, for regions that declare :attr:`Region.blocks`): each block's
-parameters are a bucket of their own that the chunk gathers as the block starts (the next one
-prefetched) and frees as it ends, and reduce-scatters as the block's backward ends
-(:mod:`piper_plugin.runtime.block_gathers`); those buckets get no nodes here, B -> UPDATE stays.
-The region's other parameters are bucketed as above.
+By block (``blocks``, ZeRO 2 and 3, for regions that declare :attr:`Region.blocks`): each
+block's parameters are a bucket of their own that the chunk reduce-scatters as the block's
+backward ends and, at ZeRO-3, gathers as the block starts (the next one prefetched) and frees as
+it ends (:mod:`piper_plugin.runtime.block_gathers`); those buckets get no per-microbatch nodes
+here (a ZeRO-2 block keeps its step's ALL_GATHER after UPDATE), and B -> UPDATE stays. The
+region's other parameters are bucketed as above.
 
 Invariant: each microbatch's gradient contribution to a bucket is reduced exactly once.
 """
@@ -55,7 +56,7 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
     divisor = grid.ep if sharded else 1
     dag.meta.replicated[region] = zero if group_size > 1 else 0  # one replica: nothing to shard, plain ZeRO-0
     by_block = []  # (block path, its parameters this region updates)
-    if blocks and zero == 3 and group_size > 1:
+    if blocks and zero >= 2 and group_size > 1:
         own = set(params)
         by_block = [(path, tuple(p for p in names if p in own)) for path, names in r.blocks]
         by_block = [(path, names) for path, names in by_block if names]
@@ -77,23 +78,22 @@ def replicate(dag: DAG, grid: RankGrid, region: str, zero: int, bucket_bytes: in
         return dag.add(node).key
 
     for b in buckets:
-        if b.block is not None:
-            continue
         full = b.numel * 4
         shard = -(-full // group_size)
-        if zero == 0:
-            red = comm(Kind.ALL_REDUCE, b, f"b{b.index}", "step", full)
-        else:
-            red = comm(Kind.REDUCE_SCATTER, b, f"b{b.index}", "B" if zero >= 2 else "step", full)
-        dag.add_data(backward, red, ("grads",))
-        dag.add_data(red, update, ("grads",))
-        for tie_key, param in dag.meta.ties.items():
-            if param in b.params:
-                dag.add_data(tie_key, red, ("tie:" + param,))
+        if b.block is None:
+            if zero == 0:
+                red = comm(Kind.ALL_REDUCE, b, f"b{b.index}", "step", full)
+            else:
+                red = comm(Kind.REDUCE_SCATTER, b, f"b{b.index}", "B" if zero >= 2 else "step", full)
+            dag.add_data(backward, red, ("grads",))
+            dag.add_data(red, update, ("grads",))
+            for tie_key, param in dag.meta.ties.items():
+                if param in b.params:
+                    dag.add_data(tie_key, red, ("tie:" + param,))
         if zero in (1, 2):
             gather = comm(Kind.ALL_GATHER, b, f"b{b.index}", "step", shard)
             dag.add_data(update, gather, ("params",))
-        if zero == 3:
+        if zero == 3 and b.block is None:
             for phase, target in (("F", f"{region}F"), ("B", backward)):
                 gather = comm(Kind.ALL_GATHER, b, f"{phase}.b{b.index}", phase, shard)
                 dag.add_data(gather, target, ("params",))

@@ -1,8 +1,10 @@
-"""ZeRO-3 by block: one region's blocks gathered, freed and reduced one at a time inside its chunk.
+"""ZeRO by block: one region's blocks reduced (ZeRO-2 and 3) and gathered and freed (ZeRO-3) one
+at a time inside its chunk.
 
 A region's blocks (:attr:`Region.blocks`: sequential submodules, each using only its own
 parameters, as FSDP's units) hold one bucket each (:func:`piper_plugin.passes.replicate`).
-Module hooks drive them, all on one communicator of the region's replica group:
+Module hooks drive them, all on one communicator of the region's replica group (at ZeRO-2 the
+parameters stay whole: the gathers and frees below do not happen, the reductions do):
 
 * forward (F): as block ``k`` starts, its gather is waited for (or issued) and laid out in the
   bucket, and block ``k+1``'s gather is issued (prefetch); as it ends, ``k`` is freed and a hook
@@ -85,6 +87,7 @@ class BlockGathers:
         self.timeout = timedelta(seconds=timeout_s)
         self.ops = _Collectives(group, buckets[0].index, buckets[0].n)
         self.reduces = [any(p.requires_grad for p in b.params) for b in buckets]
+        self.gathers = buckets[0].zero == 3  # ZeRO-2: the parameters stay whole, only reductions
         self.mode: str | None = None  # the kind of this region's task now running (F, B, BI, BW)
         self._in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # gathers issued, not laid out yet
         self._held: set[int] = set()  # buckets this region's tasks materialized and still hold
@@ -170,7 +173,7 @@ class BlockGathers:
 
     # -- gathers ------------------------------------------------------------------------------
     def _prefetch(self, k: int) -> None:
-        if k in self._in_flight or k in self._held or self.buckets[k].materialized:
+        if not self.gathers or k in self._in_flight or k in self._held or self.buckets[k].materialized:
             return
         bucket = self.buckets[k]
         if bucket.in_place:  # straight into the parameters: no layout copy
@@ -184,7 +187,7 @@ class BlockGathers:
         self._in_flight[k] = ([self.ops.gather(out, shard)], shard, out)
 
     def _acquire(self, k: int) -> None:
-        if k in self._held:
+        if not self.gathers or k in self._held:
             return
         if self.buckets[k].materialized and k not in self._in_flight:  # an evaluation's whole copy
             return

@@ -8,11 +8,12 @@ it runs (``Region.backward``, as the runtime runs that task: whole, or split in 
 weight passes), and an input-gradient pass leaves what it recorded for the weight pass until
 that one finishes. Sent messages are held as :class:`TransientMemory` says.
 
-ZeRO-3 by block (buckets gathered inside a chunk, :mod:`piper_plugin.runtime.block_gathers`):
-a forward holds two blocks' parameters (the one running and the next, prefetched), a backward
-four (the block, the next one's prefetch, its gradient and the previous block's gradient being
-reduced), a weight pass two (gradients being reduced); an input-gradient pass gathers every
-block of its region and keeps them until its weight pass has run (one copy however many wait).
+ZeRO by block (buckets reduced, and at ZeRO-3 gathered, inside a chunk,
+:mod:`piper_plugin.runtime.block_gathers`): at ZeRO-3 a forward holds two blocks' parameters (the
+one running and the next, prefetched), a backward four (the block, the next one's prefetch, its
+gradient and the previous block's gradient being reduced), and an input-gradient pass gathers
+every block of its region and keeps them until its weight pass has run (one copy however many
+wait); at ZeRO-2 a backward holds two blocks' gradients; a weight pass two at either level.
 """
 from __future__ import annotations
 
@@ -140,6 +141,10 @@ class TransientMemory:
         largest, whole = self.blocks[node.region]
         slot = (r, node.region, node.microbatch)
         rise = 0
+        if self.plan.dag.meta.replicated.get(node.region) == 2:  # parameters whole: gradients only
+            if node.kind in (Kind.B, Kind.BW) or (node.kind == Kind.BI and node.key in self.plan.ranks[r].fused):
+                self.events[r] += [(start, 2 * largest), (finish, -2 * largest)]
+            return
         if node.kind == Kind.F:
             rise = 2 * largest
         elif node.kind == Kind.B:  # split by the plan: BI's gathers stay for its BW, inside the task
