@@ -191,3 +191,18 @@ def test_simulated_transient_holds_blocks_not_stages(zero=3):
     by_block = piper.compile_program(program, _schedule("1f1b", True, zero)).simulation.peak_transient_bytes
     whole = piper.compile_program(program, _schedule("1f1b", False, zero)).simulation.peak_transient_bytes
     assert all(b < w for b, w in zip(by_block, whole)), (by_block, whole)
+
+
+def test_blocks_of_a_checkpoint_wrapped_stage_carry_the_stages_parameter_names():
+    """A block wrapped for activation checkpointing hides the wrapper's prefix from its own
+    named_parameters(); its block must still name the parameters as its stage does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    parts = _parts(2)
+    for name, block in list(parts[0].layers.items()):
+        parts[0].layers[name] = checkpoint_wrapper(block)
+    program = build_stage_program(parts, microbatch_size=2, microbatches=M, seq_len=SEQ, hidden_dim=D,
+                                  dtype=torch.float32, data_shards=2)
+    region = program.regions["0"]
+    in_blocks = [p for _, names in region.blocks for p in names]
+    assert in_blocks == [p for p in region.params if ".layers." in p] and "_checkpoint_wrapped_module" in in_blocks[0]

@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "return_freed_buffers",
            "use_sdpa_attention", "offline_assets", "register_dataset", "apply_cpu_fixes", "on_cpu",
-           "peak_rss_bytes", "reset_peak_rss", "cpu_attention"]
+           "peak_rss_bytes", "status_bytes", "reset_peak_rss", "cpu_attention"]
 
 import piper_plugin as _piper
 
@@ -62,16 +62,25 @@ class _Props:
             return 1 << 34
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size in bytes (``VmHWM``): since the last
-    :func:`reset_peak_rss`, or since the process started where the reset is unavailable."""
+def status_bytes(field: str) -> int | None:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in
+    bytes; None where there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (``VmHWM``): since the last
+    :func:`reset_peak_rss`, or since the process started where the reset is unavailable."""
+    peak = status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB; never reset

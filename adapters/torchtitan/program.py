@@ -91,8 +91,12 @@ def _blocks(part: nn.Module, stage: int) -> tuple[tuple[str, tuple[str, ...]], .
     layers = getattr(part, "layers", None)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
         return ()
-    return tuple((f"part.layers.{name}", tuple(f"model.stages.{stage}.layers.{name}.{n}" for n, _ in block.named_parameters()))
-                 for name, block in layers.named_children())
+    # names as the part has them: a block wrapped for activation checkpointing hides its wrapper's
+    # prefix from its own named_parameters(), not from its parent's
+    names = [n for n, _ in part.named_parameters()]
+    return tuple((f"part.layers.{name}", tuple(f"model.stages.{stage}.{n}" for n in names
+                                                if n.startswith(f"layers.{name}.")))
+                 for name, _ in layers.named_children())
 
 
 def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, microbatches: int, seq_len: int,

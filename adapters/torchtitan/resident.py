@@ -48,14 +48,9 @@ def resident_bytes(model_parts: list[torch.nn.Module], optimizers) -> dict[str, 
 
 def current_rss_bytes() -> int:
     """This process's resident set size now (``VmRSS``; 0 where unknown)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    from piper_plugin.adapters.torchtitan.cpu import status_bytes
+
+    return status_bytes("VmRSS") or 0
 
 
 def split_line(rank: int, step: int, resident: dict[str, int], startup: int, peak: int) -> str:
