@@ -38,11 +38,10 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from piper_plugin.runtime.buckets import FlatBucket
+from piper_plugin.runtime.dist_comm import all_gather_into, reduce_scatter_into
 
 __all__ = ["BlockGathers"]
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Collectives:
@@ -58,7 +57,7 @@ class _Collectives:
 
     def gather(self, out: torch.Tensor, shard: torch.Tensor):
         if not self.by_all_reduce:
-            return _all_gather(out, shard, group=self.group, async_op=True), None
+            return all_gather_into(out, shard, group=self.group, async_op=True), None
         blocks = out.view(self.n, -1)
         blocks[:self.index].zero_()
         blocks[self.index + 1:].zero_()
@@ -67,7 +66,7 @@ class _Collectives:
 
     def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor):
         if not self.by_all_reduce:
-            return _reduce_scatter(out, src, group=self.group, async_op=True), None
+            return reduce_scatter_into(out, src, group=self.group, async_op=True), None
         return (dist.all_reduce(src, group=self.group, async_op=True),
                 lambda: out.copy_(src.view(self.n, -1)[self.index]))
 

@@ -51,6 +51,10 @@ class FlatBucket:
         self.shard_numel = sum(self.segments)
         self.padded = max(self.shard_numel * self.n, self.numel)
         self.flags = len(params)
+        # every parameter's rows split evenly over the members: its rank-major layout is its own,
+        # so collectives can run per parameter straight on ``flat`` and ``.grad`` with no layout
+        # copy (:meth:`gather_in_place`, :meth:`reduce_in_place`)
+        self.in_place = all(p.dim() and r % self.n == 0 for p, r in zip(params, self.rows))
         self._offsets = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # parameter-major
         self._starts = list(accumulate(self.segments[:-1], initial=0))  # within a member's block
         dtype = params[0].dtype
@@ -166,12 +170,6 @@ class FlatBucket:
         return out
 
     # -- collectives per parameter, in place ------------------------------------------------
-    @property
-    def in_place(self) -> bool:
-        """Every parameter's rows split evenly over the members: a parameter's rank-major layout
-        is then its own, so collectives can run per parameter straight on ``flat`` and ``.grad``
-        with no layout copy (:meth:`gather_in_place`, :meth:`reduce_in_place`)."""
-        return all(p.dim() and r % self.n == 0 for p, r in zip(self.params, self.rows))
 
     def gather_in_place(self, all_gather) -> tuple[list, torch.Tensor]:
         """Give ``flat`` its storage back and issue ``all_gather(out, shard)`` per parameter from

@@ -28,8 +28,8 @@ from piper_plugin.scheduler.plan import Plan
 __all__ = ["DistComm", "communicator_specs", "block_regions"]
 
 # flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
@@ -138,7 +138,7 @@ class DistComm:
         or an eval; every member calls it in the same bucket order)."""
         group = self._bucket_groups[key]
         out = shard.new_empty(shard.numel() * dist.get_world_size(group))
-        _all_gather(out, shard.contiguous(), group=group)
+        all_gather_into(out, shard.contiguous(), group=group)
         return out
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
@@ -194,7 +194,7 @@ class DistComm:
             members, group = self._group(node)
             shard = comm_ops.payload(state, node)
             out = shard.new_empty(shard.numel() * len(members))
-            _all_gather(out, shard.contiguous(), group=group)
+            all_gather_into(out, shard.contiguous(), group=group)
             if comm_ops.gather_target(state, node):  # no copy held yet: the gathered parameters go in
                 state.buckets[(node.region, node.bucket)].materialize(out)
             state.finished(node.key)
@@ -210,11 +210,11 @@ def _collective(node: Node, x: torch.Tensor, n: int, group) -> torch.Tensor:
         return x
     if node.kind == Kind.REDUCE_SCATTER:
         out = torch.empty(x.numel() // n, dtype=x.dtype, device=x.device)
-        _reduce_scatter(out, x.contiguous(), group=group)
+        reduce_scatter_into(out, x.contiguous(), group=group)
         return out
     if node.kind == Kind.ALL_GATHER:
         out = torch.empty(x.numel() * n, dtype=x.dtype, device=x.device)
-        _all_gather(out, x.contiguous(), group=group)
+        all_gather_into(out, x.contiguous(), group=group)
         return out
     x = x.contiguous()  # gradients from autograd.grad may come permuted
     if comm_ops.is_dispatch(node):  # [E, C, D] -> [E/n, n*C, D]
