@@ -127,3 +127,43 @@ def test_rank_major_layout_cuts_each_parameter_like_torch_chunk():
             grads = bucket.flat_grad().view(n, bucket.shard_numel + bucket.flags)
             assert torch.equal(grads[:, bucket.shard_numel:], torch.ones(n, len(params)))
             assert grads[:, :bucket.shard_numel].sum() == sum(p.numel() for p in params)
+
+
+def test_collectives_by_sum_match_the_rank_major_ones():
+    """On gloo a block moves as one all-reduce over its parameter-major buffer
+    (``gather_by_sum``, ``reduce_by_sum``): n members, simulated here by summing what each
+    issued, end with every parameter whole and with exactly the rank-major reduce-scatter's
+    block and flags, for rows that do not divide, scalars and a parameter without a gradient."""
+    from piper_plugin.runtime.buckets import FlatBucket
+
+    torch.manual_seed(0)
+    shapes = [(5, 3), (2,), (7, 2, 2), (), (1, 4), (8, 1)]
+    values = [torch.randn(s) for s in shapes]
+    for n in (1, 2, 3):
+        members = [FlatBucket([torch.nn.Parameter(v.clone()) for v in values], zero=3, group_size=n,
+                              index_in_group=i) for i in range(n)]
+        issued = []
+        for bucket in members:
+            bucket.gather_by_sum(lambda t: (issued.append(t), (None, None))[1])
+        total = torch.stack(issued).sum(0)
+        for t in issued:
+            t.copy_(total)
+        for bucket in members:
+            assert all(torch.equal(p.detach(), v) for p, v in zip(bucket.params, values))
+
+        grads = [[torch.randn(s) if k != 1 or i == 0 else None for k, s in enumerate(shapes)] for i in range(n)]
+        issued, works, outs, wants = [], [], [], []
+        for bucket, mine in zip(members, grads):
+            for p, g in zip(bucket.params, mine):
+                p.grad = g
+            wants.append(bucket.flat_grad(take=False).view(n, -1))  # rank-major, flags per block
+            work, out, src = bucket.reduce_by_sum(lambda t: (issued.append(t), (None, None))[1])
+            assert all(p.grad is None for p in bucket.params)
+            works.append(work)
+            outs.append(out)
+        total = torch.stack(issued).sum(0)
+        for t in issued:
+            t.copy_(total)
+        for bucket, (((_, then),), out) in enumerate(zip(works, outs)):
+            then()
+            assert torch.allclose(out, sum(w[bucket] for w in wants), atol=1e-6)

@@ -49,7 +49,9 @@ class _Collectives:
     ``then`` (or None) runs once the work ended. On gloo both go through its all-reduce, about
     1.5-2x faster there than its all-gather and reduce-scatter (HOST_FRAMEWORKS.md), with the
     same result: a gather as the sum of zero-padded shards (exact), a reduce-scatter as the full
-    sum of which this member keeps its rows."""
+    sum of which this member keeps its rows. A block then moves as one all-reduce over its
+    parameter-major buffer (:meth:`FlatBucket.gather_by_sum`, :meth:`FlatBucket.reduce_by_sum`):
+    on gloo each collective's fixed cost, not its bytes, dominates a small block."""
 
     def __init__(self, group: Any, index: int, n: int):
         self.group, self.index, self.n = group, index, n
@@ -175,10 +177,11 @@ class BlockGathers:
         if not self.gathers or k in self._in_flight or k in self._held or self.buckets[k].materialized:
             return
         bucket = self.buckets[k]
-        if bucket.in_place:  # straight into the parameters: no layout copy
+        if self.ops.by_all_reduce or bucket.in_place:  # straight into the parameters: no layout copy
             with self.lock:
                 self.meter.add(bucket.padded * bucket.flat.element_size())
-                works, shard = bucket.gather_in_place(self.ops.gather)
+                works, shard = (bucket.gather_by_sum(self.ops.all_reduce) if self.ops.by_all_reduce
+                                else bucket.gather_in_place(self.ops.gather))
             self._in_flight[k] = (works, shard, None)
             return
         shard = bucket.shard_data().contiguous()
@@ -229,7 +232,9 @@ class BlockGathers:
         self._finish_reductions()
         if self.reduces[k]:
             bucket = self.buckets[k]
-            if bucket.in_place:  # straight from the gradients: no layout copy
+            if self.ops.by_all_reduce:  # one all-reduce per block, from a parameter-major copy
+                works, out, sources = bucket.reduce_by_sum(self.ops.all_reduce)
+            elif bucket.in_place:  # straight from the gradients: no layout copy
                 works, out, sources = bucket.reduce_in_place(self.ops.reduce_scatter, self.ops.all_reduce)
             else:
                 sources = bucket.flat_grad(take=True)

@@ -199,14 +199,48 @@ class FlatBucket:
             p.grad = None
         return works, out, sources
 
+    # -- collectives as one sum over the parameter-major buffer -------------------------------
+
+    def gather_by_sum(self, all_reduce) -> tuple[list, torch.Tensor]:
+        """Give ``flat`` its storage back holding this member's rows of every parameter and zeros
+        elsewhere, and issue ``all_reduce`` over it: the sum is every parameter whole (exact, the
+        members' rows are disjoint). One collective per bucket and no layout copy, whatever the
+        rows; for backends whose all-reduce beats their all-gather (gloo). Returns the works and
+        the source (alive until they end)."""
+        flat, shard = self.allocate(), self.shard_data()
+        flat.zero_()
+        for i, (offset, start) in enumerate(zip(self._offsets, self._starts)):
+            size = self._valid_rows(i, self.index) * self.row_numel[i]
+            lo = offset + self.index * self.chunk_rows[i] * self.row_numel[i]
+            flat[lo:lo + size].copy_(shard[start:start + size])
+        return [all_reduce(flat[:self.numel])], shard
+
+    def reduce_by_sum(self, all_reduce) -> tuple[list, torch.Tensor, torch.Tensor]:
+        """Issue ``all_reduce`` over this rank's gradients (taken from ``.grad``) and flags in
+        parameter-major layout; once it ends, ``then`` writes this member's rows of the sum into
+        the result (:meth:`add_shard_grad`'s input). One collective per bucket, whatever the rows.
+        Returns ``[(work, then)]``, the result and the source (alive until the work ends)."""
+        src = self.flat_grad(take=True, layout="parameter")
+        out = src.new_zeros(self.shard_numel + self.flags)
+
+        def own_rows():
+            for i, (offset, start) in enumerate(zip(self._offsets, self._starts)):
+                size = self._valid_rows(i, self.index) * self.row_numel[i]
+                lo = offset + self.index * self.chunk_rows[i] * self.row_numel[i]
+                out[start:start + size].copy_(src[lo:lo + size])
+            out[self.shard_numel:].copy_(src[self.numel:])
+        work, _ = all_reduce(src)
+        return [(work, own_rows)], out, src
+
     # -- gradients --------------------------------------------------------------------------
-    def flat_grad(self, take: bool = True) -> torch.Tensor:
+    def flat_grad(self, take: bool = True, layout: str | None = None) -> torch.Tensor:
         """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)
         for ZeRO 0, rank-major with each block's flags after it for ZeRO >= 1 (``take`` clears
-        p.grad). Each gradient is copied once, straight into place."""
+        p.grad; ``layout="parameter"`` asks for the first at any level). Each gradient is copied
+        once, straight into place."""
         dtype, device = self.reduce_dtype, self.flat.device
         flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
-        if self.zero == 0:
+        if self.zero == 0 or layout == "parameter":
             out = torch.empty(self.numel + self.flags, dtype=dtype, device=device)
             for p, offset in zip(self.params, self._offsets):
                 target = out[offset:offset + p.numel()]
