@@ -129,41 +129,49 @@ def test_rank_major_layout_cuts_each_parameter_like_torch_chunk():
             assert grads[:, :bucket.shard_numel].sum() == sum(p.numel() for p in params)
 
 
-def test_collectives_by_sum_match_the_rank_major_ones():
-    """On gloo a block moves as one all-reduce over its parameter-major buffer
-    (``gather_by_sum``, ``reduce_by_sum``): n members, simulated here by summing what each
-    issued, end with every parameter whole and with exactly the rank-major reduce-scatter's
-    block and flags, for rows that do not divide, scalars and a parameter without a gradient."""
+def test_pairwise_exchanges_match_the_rank_major_collectives():
+    """On gloo a block whose rows split evenly moves as pairwise messages per parameter and peer,
+    straight into the parameters and from the gradients (``gather_pairwise``,
+    ``reduce_pairwise``). n members, simulated here by delivering each member's messages to
+    their peer in the order posted, end with every parameter whole and with exactly the
+    rank-major reduce-scatter's block and flags, a parameter without a gradient included."""
     from piper_plugin.runtime.buckets import FlatBucket
 
     torch.manual_seed(0)
-    shapes = [(5, 3), (2,), (7, 2, 2), (), (1, 4), (8, 1)]
-    values = [torch.randn(s) for s in shapes]
     for n in (1, 2, 3):
+        shapes = [(2 * n, 3), (n,), (3 * n, 2, 2), (n, 4)]
+        values = [torch.randn(s) for s in shapes]
         members = [FlatBucket([torch.nn.Parameter(v.clone()) for v in values], zero=3, group_size=n,
                               index_in_group=i) for i in range(n)]
-        issued = []
-        for bucket in members:
-            bucket.gather_by_sum(lambda t: (issued.append(t), (None, None))[1])
-        total = torch.stack(issued).sum(0)
-        for t in issued:
-            t.copy_(total)
+        assert all(b.in_place for b in members)
+
+        def deliver(posted):  # posted[i]: member i's (peer, into, send) in order
+            for i, mine in enumerate(posted):
+                for j in range(n):
+                    into = [t[1] for t in mine if t[0] == j]
+                    sent = [t[2] for t in posted[j] if t[0] == i]
+                    assert len(into) == len(sent)
+                    for a, b in zip(into, sent):
+                        a.copy_(b)
+
+        posted = [[] for _ in members]
+        for i, bucket in enumerate(members):
+            bucket.gather_pairwise(lambda triples, i=i: posted[i].extend(triples) or [(None, None)] * bool(triples))
+        deliver(posted)
         for bucket in members:
             assert all(torch.equal(p.detach(), v) for p, v in zip(bucket.params, values))
 
         grads = [[torch.randn(s) if k != 1 or i == 0 else None for k, s in enumerate(shapes)] for i in range(n)]
-        issued, works, outs, wants = [], [], [], []
-        for bucket, mine in zip(members, grads):
+        posted, results, wants = [[] for _ in members], [], []
+        for i, (bucket, mine) in enumerate(zip(members, grads)):
             for p, g in zip(bucket.params, mine):
                 p.grad = g
             wants.append(bucket.flat_grad(take=False).view(n, -1))  # rank-major, flags per block
-            work, out, src = bucket.reduce_by_sum(lambda t: (issued.append(t), (None, None))[1])
+            works, out, _ = bucket.reduce_pairwise(lambda triples, i=i: posted[i].extend(triples) or [(None, None)] * bool(triples))
             assert all(p.grad is None for p in bucket.params)
-            works.append(work)
-            outs.append(out)
-        total = torch.stack(issued).sum(0)
-        for t in issued:
-            t.copy_(total)
-        for bucket, (((_, then),), out) in enumerate(zip(works, outs)):
-            then()
-            assert torch.allclose(out, sum(w[bucket] for w in wants), atol=1e-6)
+            results.append((works, out))
+        deliver(posted)
+        for i, (works, out) in enumerate(results):
+            if works:
+                works[-1][1]()
+            assert torch.allclose(out, sum(w[i] for w in wants), atol=1e-6)

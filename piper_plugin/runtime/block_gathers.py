@@ -44,36 +44,71 @@ __all__ = ["BlockGathers"]
 
 
 
+_GATHER, _REDUCE = 1, 2  # message tags of the pairwise exchanges
+
+
 class _Collectives:
-    """Asynchronous gathers and reduce-scatters over one group, each issued as ``(work, then)``:
-    ``then`` (or None) runs once the work ended. On gloo both go through its all-reduce, about
-    1.5-2x faster there than its all-gather and reduce-scatter (HOST_FRAMEWORKS.md), with the
-    same result: a gather as the sum of zero-padded shards (exact), a reduce-scatter as the full
-    sum of which this member keeps its rows. A block then moves as one all-reduce over its
-    parameter-major buffer (:meth:`FlatBucket.gather_by_sum`, :meth:`FlatBucket.reduce_by_sum`):
-    on gloo each collective's fixed cost, not its bytes, dominates a small block."""
+    """Asynchronous gathers and reduce-scatters over one group, each issued as a list of
+    ``(work, then)``: ``then`` (or None) runs once that work and those before it ended.
+
+    On gloo both run as pairwise exchanges: each member sends every other member the rows it
+    owes it and receives its own from each, the bytes of a ring's; measured at about half the
+    time of gloo's all-gather or all-reduce on the same rows (HOST_FRAMEWORKS.md). Where every
+    parameter's rows split evenly over the group the messages go per parameter straight from
+    the gradients and into the parameters (:meth:`FlatBucket.gather_pairwise`,
+    :meth:`FlatBucket.reduce_pairwise`); otherwise one message per peer moves a rank-major
+    block. Every member posts its messages in the same order (FIFO per peer and tag). A
+    reduce-scatter sums the members' rows in member order."""
 
     def __init__(self, group: Any, index: int, n: int):
         self.group, self.index, self.n = group, index, n
-        self.by_all_reduce = dist.get_backend(group) == "gloo"
+        self.pairwise = dist.get_backend(group) == "gloo"
+        self.peers = [j for j in range(n) if j != index]
 
-    def gather(self, out: torch.Tensor, shard: torch.Tensor):
-        if not self.by_all_reduce:
-            return all_gather_into(out, shard, group=self.group, async_op=True), None
+    def exchange(self, triples: list[tuple[int, torch.Tensor, torch.Tensor]], tag: int) -> list:
+        """Per ``(peer, into, send)``: receive ``into`` from that member, send it ``send``."""
+        issued = [(dist.irecv(into, group=self.group, group_src=j, tag=tag), None) for j, into, _ in triples]
+        return issued + [(dist.isend(send, group=self.group, group_dst=j, tag=tag), None) for j, _, send in triples]
+
+    def gather(self, out: torch.Tensor, shard: torch.Tensor) -> list:
+        """``out`` (rank-major) = every member's ``shard``."""
+        if not self.pairwise:
+            return [(all_gather_into(out, shard, group=self.group, async_op=True), None)]
         blocks = out.view(self.n, -1)
-        blocks[:self.index].zero_()
-        blocks[self.index + 1:].zero_()
         blocks[self.index].copy_(shard)
-        return dist.all_reduce(out, group=self.group, async_op=True), None
+        return self.exchange([(j, blocks[j], shard) for j in self.peers], _GATHER)
 
-    def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor):
-        if not self.by_all_reduce:
-            return reduce_scatter_into(out, src, group=self.group, async_op=True), None
-        return (dist.all_reduce(src, group=self.group, async_op=True),
-                lambda: out.copy_(src.view(self.n, -1)[self.index]))
+    def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor) -> list:
+        """``out`` = the sum over members of their ``src`` (rank-major) block ``index``."""
+        if not self.pairwise:
+            return [(reduce_scatter_into(out, src, group=self.group, async_op=True), None)]
+        blocks = src.view(self.n, -1)
+        received = src.new_empty(len(self.peers), blocks.shape[1])
+        issued = self.exchange([(j, received[a], blocks[j]) for a, j in enumerate(self.peers)], _REDUCE)
 
-    def all_reduce(self, t: torch.Tensor):
-        return dist.all_reduce(t, group=self.group, async_op=True), None
+        def add() -> None:
+            others = iter(received)
+            for j in range(self.n):
+                part = blocks[j] if j == self.index else next(others)
+                out.copy_(part) if j == 0 else out.add_(part)
+        if issued:
+            issued[-1] = (issued[-1][0], add)
+        else:  # a group of one
+            add()
+        return issued
+
+    def gather_bucket(self, bucket: FlatBucket) -> tuple[list, torch.Tensor]:
+        """Per parameter, straight into ``bucket``'s parameters (``in_place`` buckets)."""
+        if self.pairwise:
+            return bucket.gather_pairwise(lambda triples: self.exchange(triples, _GATHER))
+        return bucket.gather_in_place(lambda out, shard: self.gather(out, shard)[0])
+
+    def reduce_bucket(self, bucket: FlatBucket) -> tuple[list, torch.Tensor, Any]:
+        """Per parameter, straight from ``bucket``'s gradients (``in_place`` buckets)."""
+        if self.pairwise:
+            return bucket.reduce_pairwise(lambda triples: self.exchange(triples, _REDUCE))
+        return bucket.reduce_in_place(lambda out, src: self.reduce_scatter(out, src)[0],
+                                      lambda t: (dist.all_reduce(t, group=self.group, async_op=True), None))
 
 
 class BlockGathers:
@@ -177,16 +212,17 @@ class BlockGathers:
         if not self.gathers or k in self._in_flight or k in self._held or self.buckets[k].materialized:
             return
         bucket = self.buckets[k]
-        if self.ops.by_all_reduce or bucket.in_place:  # straight into the parameters: no layout copy
+        if bucket.in_place:  # per parameter, straight into them: no layout copy
             with self.lock:
                 self.meter.add(bucket.padded * bucket.flat.element_size())
-                works, shard = (bucket.gather_by_sum(self.ops.all_reduce) if self.ops.by_all_reduce
-                                else bucket.gather_in_place(self.ops.gather))
+                works, shard = self.ops.gather_bucket(bucket)
             self._in_flight[k] = (works, shard, None)
             return
         shard = bucket.shard_data().contiguous()
         out = shard.new_empty(shard.numel() * bucket.n)
-        self._in_flight[k] = ([self.ops.gather(out, shard)], shard, out)
+        with self.lock:
+            self.meter.add(out.nbytes)  # the rank-major copy, until it is laid out
+        self._in_flight[k] = (self.ops.gather(out, shard), shard, out)
 
     def _acquire(self, k: int) -> None:
         if not self.gathers or k in self._held:
@@ -205,6 +241,7 @@ class BlockGathers:
             with self.lock:
                 self.meter.add(bucket.padded * bucket.flat.element_size())
                 bucket.materialize(out)
+                self.meter.add(-out.nbytes)
         self._held.add(k)
 
     def _let_go(self, k: int) -> None:
@@ -232,14 +269,12 @@ class BlockGathers:
         self._finish_reductions()
         if self.reduces[k]:
             bucket = self.buckets[k]
-            if self.ops.by_all_reduce:  # one all-reduce per block, from a parameter-major copy
-                works, out, sources = bucket.reduce_by_sum(self.ops.all_reduce)
-            elif bucket.in_place:  # straight from the gradients: no layout copy
-                works, out, sources = bucket.reduce_in_place(self.ops.reduce_scatter, self.ops.all_reduce)
+            if bucket.in_place:  # per parameter, from the gradients: no layout copy
+                works, out, sources = self.ops.reduce_bucket(bucket)
             else:
                 sources = bucket.flat_grad(take=True)
                 out = sources.new_empty(sources.numel() // bucket.n)
-                works = [self.ops.reduce_scatter(out, sources)]
+                works = self.ops.reduce_scatter(out, sources)
             self._reductions.append((k, works, sources, out))
         self._reduced.add(k)
         self._let_go(k)

@@ -199,48 +199,68 @@ class FlatBucket:
             p.grad = None
         return works, out, sources
 
-    # -- collectives as one sum over the parameter-major buffer -------------------------------
+    # -- collectives per parameter and peer, in place (pairwise exchanges) ---------------------
 
-    def gather_by_sum(self, all_reduce) -> tuple[list, torch.Tensor]:
-        """Give ``flat`` its storage back holding this member's rows of every parameter and zeros
-        elsewhere, and issue ``all_reduce`` over it: the sum is every parameter whole (exact, the
-        members' rows are disjoint). One collective per bucket and no layout copy, whatever the
-        rows; for backends whose all-reduce beats their all-gather (gloo). Returns the works and
-        the source (alive until they end)."""
+    def gather_pairwise(self, exchange) -> tuple[list, torch.Tensor]:
+        """Give ``flat`` its storage back holding this member's rows of every parameter, and
+        issue ``exchange(triples)``, ``(peer, into, send)`` per parameter and peer: the peer's
+        rows received straight into place, ours sent. Needs :attr:`in_place`. Returns the works
+        and the source (alive until they end)."""
         flat, shard = self.allocate(), self.shard_data()
-        flat.zero_()
-        for i, (offset, start) in enumerate(zip(self._offsets, self._starts)):
-            size = self._valid_rows(i, self.index) * self.row_numel[i]
-            lo = offset + self.index * self.chunk_rows[i] * self.row_numel[i]
-            flat[lo:lo + size].copy_(shard[start:start + size])
-        return [all_reduce(flat[:self.numel])], shard
+        triples = []
+        for offset, start, seg in zip(self._offsets, self._starts, self.segments):
+            rows, mine = flat[offset:offset + seg * self.n].view(self.n, seg), shard[start:start + seg]
+            rows[self.index].copy_(mine)
+            triples += [(j, rows[j], mine) for j in range(self.n) if j != self.index]
+        return exchange(triples), shard
 
-    def reduce_by_sum(self, all_reduce) -> tuple[list, torch.Tensor, torch.Tensor]:
-        """Issue ``all_reduce`` over this rank's gradients (taken from ``.grad``) and flags in
-        parameter-major layout; once it ends, ``then`` writes this member's rows of the sum into
-        the result (:meth:`add_shard_grad`'s input). One collective per bucket, whatever the rows.
-        Returns ``[(work, then)]``, the result and the source (alive until the work ends)."""
-        src = self.flat_grad(take=True, layout="parameter")
-        out = src.new_zeros(self.shard_numel + self.flags)
+    def reduce_pairwise(self, exchange) -> tuple[list, torch.Tensor, list]:
+        """Issue ``exchange(triples)`` from the gradients (``.grad``, taken) and flags: each peer
+        is sent its rows of every parameter and our flags, and its contributions to our rows are
+        received. Needs :attr:`in_place`. The last work's ``then`` sums the members'
+        contributions in member order into the result (:meth:`add_shard_grad`'s input).
+        Returns the works, the result and the sources (alive until the works end)."""
+        dtype, device = self.reduce_dtype, self.flat.device
+        width = self.shard_numel + self.flags
+        peers = [j for j in range(self.n) if j != self.index]
+        received = torch.empty(len(peers), width, dtype=dtype, device=device)
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
+        own, triples = [], []
+        for p, start, seg in zip(self.params, self._starts, self.segments):
+            g = (p.grad.reshape(-1).to(dtype).contiguous() if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=dtype, device=device))
+            rows = g.view(self.n, seg)
+            own.append((start, seg, rows[self.index]))
+            triples += [(j, received[a, start:start + seg], rows[j]) for a, j in enumerate(peers)]
+        triples += [(j, received[a, self.shard_numel:], flags) for a, j in enumerate(peers)]
+        for p in self.params:
+            p.grad = None
+        out = torch.empty(width, dtype=dtype, device=device)
 
-        def own_rows():
-            for i, (offset, start) in enumerate(zip(self._offsets, self._starts)):
-                size = self._valid_rows(i, self.index) * self.row_numel[i]
-                lo = offset + self.index * self.chunk_rows[i] * self.row_numel[i]
-                out[start:start + size].copy_(src[lo:lo + size])
-            out[self.shard_numel:].copy_(src[self.numel:])
-        work, _ = all_reduce(src)
-        return [(work, own_rows)], out, src
+        def add() -> None:
+            others = iter(received)
+            for j in range(self.n):
+                if j == self.index:
+                    for start, seg, rows in own:
+                        out[start:start + seg].copy_(rows) if j == 0 else out[start:start + seg].add_(rows)
+                    out[self.shard_numel:].copy_(flags) if j == 0 else out[self.shard_numel:].add_(flags)
+                else:
+                    out.copy_(next(others)) if j == 0 else out.add_(next(others))
+        works = exchange(triples)
+        if works:
+            works[-1] = (works[-1][0], add)
+        else:  # a group of one
+            add()
+        return works, out, [own, flags, received]
 
     # -- gradients --------------------------------------------------------------------------
-    def flat_grad(self, take: bool = True, layout: str | None = None) -> torch.Tensor:
+    def flat_grad(self, take: bool = True) -> torch.Tensor:
         """This rank's accumulated gradient with its flags: parameter-major (``numel`` + flags)
         for ZeRO 0, rank-major with each block's flags after it for ZeRO >= 1 (``take`` clears
-        p.grad; ``layout="parameter"`` asks for the first at any level). Each gradient is copied
-        once, straight into place."""
+        p.grad). Each gradient is copied once, straight into place."""
         dtype, device = self.reduce_dtype, self.flat.device
         flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
-        if self.zero == 0 or layout == "parameter":
+        if self.zero == 0:
             out = torch.empty(self.numel + self.flags, dtype=dtype, device=device)
             for p, offset in zip(self.params, self._offsets):
                 target = out[offset:offset + p.numel()]
