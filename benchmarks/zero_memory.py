@@ -49,7 +49,8 @@ if __package__ in (None, ""):
 from benchmarks._common import code_version, command_line, markdown_table, median, write_result
 from piper_plugin.adapters.torchtitan import run_titan
 
-__all__ = ["main", "build_parser", "ENGINES", "peak_memory_gib", "largest_under", "step_seconds", "memory_split"]
+__all__ = ["main", "build_parser", "ENGINES", "peak_memory_gib", "largest_under", "step_seconds", "memory_split",
+           "simulated_over_measured"]
 
 # (label, engine, flags)
 ENGINES = [
@@ -65,6 +66,8 @@ CAPPED = "torch FSDP default"
 _MEMORY = re.compile(r"step:\s*(\d+)\s.*?memory:\s*([\d.]+)GiB")
 _PARAMS = re.compile(r"size: ([\d,]+) total parameters")
 _STEP = re.compile(r"(\d\d):(\d\d):(\d\d),(\d+) - root - INFO - step:\s*(\d+)\s")
+_SIMULATED = re.compile(r"Piper simulated memory: rank (\d+) plan rank \d+ .*? peak ([\d.]+)GiB")
+_TENSORS = re.compile(r"Piper memory split: rank (\d+) step (\d+) .*? tensors at peak (-?[\d.]+)GiB")
 _SPLIT = re.compile(r"Piper memory split: rank (\d+) step (\d+) params ([\d.]+)GiB grads ([\d.]+)GiB "
                     r"optimizer ([\d.]+)GiB start-up ([\d.]+)GiB peak ([\d.]+)GiB transient (-?[\d.]+)GiB")
 
@@ -110,6 +113,15 @@ def memory_split(log: str, step: int) -> tuple[float, float, float, float] | Non
     return float(top[3]), float(top[4]), float(top[5]), float(top[8])
 
 
+def simulated_over_measured(log: str, step: int) -> float | None:
+    """The simulator's peak over the measured tensors at the peak (:mod:`...resident`), on the
+    rank where the two differ most (relatively) at ``step``; None without both figures."""
+    simulated = {int(m[1]): float(m[2]) for m in _SIMULATED.finditer(log)}
+    measured = {int(m[1]): float(m[3]) for m in _TENSORS.finditer(log) if int(m[2]) == step}
+    ratios = [simulated[r] / measured[r] for r in simulated.keys() & measured.keys() if measured[r] > 0]
+    return max(ratios, key=lambda x: abs(x - 1)) if ratios else None
+
+
 def largest_under(peaks: dict[int, float | None], cap: float) -> int:
     """The largest batch whose peak is at most ``cap`` (0: none)."""
     return max((b for b, p in peaks.items() if p is not None and p <= cap), default=0)
@@ -124,12 +136,12 @@ def _run(model: str, label: str, engine: str, flags: list[str], batch: int, args
                     nproc=4, steps=args.steps, extra=extra, timeout_s=1200)
     if not run.ok:
         print(f"{model} {label} batch {batch}: failed (exit {run.returncode})\n{run.tail()}", file=sys.stderr)
-        return None, None, None, None
+        return None, None, None, None, None
     seconds = step_seconds(run.log)
     tps = batch * args.seq_len * 2 / median(seconds) if seconds else None  # 2 data-parallel ranks
     params = _PARAMS.search(run.log)
     return (peak_memory_gib(run.log, args.steps), tps, int(params[1].replace(",", "")) if params else None,
-            memory_split(run.log, args.steps))
+            memory_split(run.log, args.steps), simulated_over_measured(run.log, args.steps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             peaks: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
             rates: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
             splits: dict[str, dict[int, tuple | None]] = {label: {} for label, _, _ in ENGINES}
+            simulated: dict[str, dict[int, float | None]] = {label: {} for label, _, _ in ENGINES}
             params = None
             for batch in args.batches:
                 for label, engine, flags in ENGINES:
-                    peak, tps, count, split = _run(model, label, engine, flags, batch, args, Path(tmp))
+                    peak, tps, count, split, sim = _run(model, label, engine, flags, batch, args, Path(tmp))
                     peaks[label][batch], rates[label][batch], splits[label][batch] = peak, tps, split
+                    simulated[label][batch] = sim
                     params = params or count
                     print(f"{model} batch {batch} {label}: peak {peak} GiB, {tps} tokens/s", flush=True)
             figures[model] = peaks
@@ -172,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                           ] if split_batch else []
             rate_rows = [[label] + [f"{rates[label][b]:.1f}" if rates[label][b] else "n/a" for b in args.batches]
                          for label, _, _ in ENGINES]
+            sim_rows = [[label] + [f"{simulated[label][b]:.3f}" if simulated[label].get(b) else "n/a"
+                                   for b in args.batches] for label, engine, _ in ENGINES if engine == "piper"]
             split_text = (f"Peak split at batch {split_batch}, measured on the rank with the largest peak (GiB; "
                           f"transient = peak - start-up RSS - kept state):\n\n"
                           f"{markdown_table(['engine', 'params', 'grads', 'optimizer', 'transient'], split_rows)}\n\n"
@@ -182,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"Peak memory per rank (largest over ranks, last step), the largest swept batch under the cap "
                 f"(TorchTitan default's peak at batch {cap_batch}) and the median tokens/s ratio to TorchTitan "
                 f"reshard-always over the batches.\n\n{markdown_table(headers, rows)}\n\n{split_text}"
+                f"The simulator's peak per rank over the measured tensors at the peak (the step's peak RSS less "
+                f"what the process held besides tensors as the step began), on the rank where they differ most:"
+                f"\n\n{markdown_table(['engine'] + [f'batch {b}' for b in args.batches], sim_rows)}\n\n"
                 f"Tokens/s (global batch tokens over the median step time):\n\n"
                 f"{markdown_table(['engine'] + [f'batch {b}' for b in args.batches], rate_rows)}\n")
     out = write_result(args.out, "zero_memory.md", "")

@@ -8,7 +8,8 @@ nothing else from the engine.
 
 - annotate regions: :func:`annotate` (inside ``forward``), :func:`annotate_modules` (by name)
 - capture: :func:`capture` (traced regions) and :meth:`Program.from_regions` (module regions
-  a host cut itself, described by :class:`Region`)
+  a host cut itself, described by :class:`Region`; :func:`region_memory` measures such regions'
+  activations and backward memory on fake tensors, for their ``activation_bytes`` and ``backward``)
 - directives: :class:`Schedule`; errors: :class:`DirectiveError`
 - recipes: :mod:`piper_plugin.recipes` (``recipes.load(name | file.py | trace.json)``)
 - compile: :func:`compile` / :func:`compile_program` -> :class:`Compiled` (program, schedule,
@@ -29,6 +30,7 @@ nothing else from the engine.
 from piper_plugin.api.annotate import annotate, annotate_modules
 from piper_plugin.api.errors import DirectiveError
 from piper_plugin.api.schedule import Schedule
+from piper_plugin.ir.activations import region_memory
 from piper_plugin.ir.capture import CaptureError, Program, capture
 from piper_plugin.ir.graph import Region
 from piper_plugin.scheduler.plan import Plan, PlanError, build_plan
@@ -50,7 +52,7 @@ from piper_plugin.cli_args import UsageError
 
 __all__ = [
     "annotate", "annotate_modules",
-    "capture", "Program", "Region",
+    "capture", "Program", "Region", "region_memory",
     "Schedule", "DirectiveError",
     "recipes",
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",

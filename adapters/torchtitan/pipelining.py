@@ -25,7 +25,9 @@ from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, c
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
+from piper_plugin.adapters.torchtitan.resident import simulated_memory_line
 from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
+from piper_plugin.adapters.torchtitan.stage_memory import apply_stage_memory, measure_stage_memory
 from piper_plugin.adapters.torchtitan.titan_log import say_fsdp_withheld
 from piper_plugin.adapters.torchtitan.zero import (
     check_parallelism, check_withheld, plan_replicas, shard_faces, shard_mesh, withhold_fsdp, zero_level,
@@ -105,8 +107,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     # 1. every stage on the meta device; the recipe's placement says which are ours
     parts = [_split_module(model, names) for names in fqns]
     split_last_backward = ac_config is None  # AC may allow only one backward through a stage
+    program = build_stage_program(parts, **sizes)
+    memory = measure_stage_memory(program, parts, loss_fn, ac_config=ac_config, dump_folder=dump_folder,
+                                  seq_len=training.seq_len, split=split_last_backward)
     try:
-        plan = _compile(build_stage_program(parts, **sizes), schedule_fn, pp * shards, split_last_backward).plan
+        plan = _compile(program, schedule_fn, pp * shards, split_last_backward).plan
     except (DirectiveError, recipes.RecipeError) as exc:
         raise ValueError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
                          f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
@@ -130,8 +135,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
         parts[s] = model_parts[s]
         logger.info(f"Piper: PP rank {pp_rank} holds stage {s} with modules {fqns[s]}")
 
-    # 3. the plan over the parts as they will run (parameter names after wrapping)
+    # 3. the plan over the parts as they will run (parameter names after wrapping), with the
+    # stages' memory measured in 1
     program = build_stage_program(parts, **sizes)
+    apply_stage_memory(program, memory)
     compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
@@ -144,6 +151,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
                 f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
+    logger.info(simulated_memory_line(dist.get_rank(), plan_rank, result))
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,

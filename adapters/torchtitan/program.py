@@ -17,6 +17,7 @@ recipe, the scheduler and the runtime apply unchanged.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,7 +67,20 @@ class StageProgram(Program):
 
     def instantiate(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> dict[str, nn.Module]:
         last = max(r.stage for r in self.regions.values())
-        return {str(s): StageChunk(part, s == last, loss_fn) for s, part in model.parts()}
+        return {str(s): StageChunk(part, s == last, _bound_loss(loss_fn, part) if s == last else loss_fn)
+                for s, part in model.parts()}
+
+
+def _bound_loss(loss_fn: Callable[..., Any], part: nn.Module) -> Callable[..., Any]:
+    """A loss that computes the logits with a head of its own (TorchTitan's ChunkedLossWrapper,
+    its stage skipping ``lm_head``) bound to ``part``'s head: the stage that runs it, whatever
+    copy of the model that is (the memory probe runs fake copies)."""
+    head = getattr(part, "lm_head", None)
+    if head is None or not hasattr(loss_fn, "set_lm_head"):
+        return loss_fn
+    bound = copy.copy(loss_fn)  # not a module: its own attributes
+    bound.set_lm_head(head)
+    return bound
 
 
 class LocalStages(nn.Module):

@@ -5,7 +5,9 @@ gradients and optimizer state it holds (each storage counted once, at its alloca
 ZeRO-1/2 bucket's full parameters count whole and a ZeRO-3 shard counts as the shard), its
 resident set at start-up (before the model exists) and, on CPU, the step's peak RSS (TorchTitan's
 ``memory:`` figure). The rest is what the step held only while it ran:
-``transient = peak - start-up - parameters - gradients - optimizer state``.
+``transient = peak - start-up - parameters - gradients - optimizer state``. The tensors at the
+peak are the peak less what the process held besides tensors as the step began; the Piper
+engine logs the simulator's figure for the same (``Piper simulated memory``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["resident_bytes", "current_rss_bytes", "split_line"]
+__all__ = ["resident_bytes", "current_rss_bytes", "split_line", "simulated_memory_line"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,12 +55,25 @@ def current_rss_bytes() -> int:
     return status_bytes("VmRSS") or 0
 
 
-def split_line(rank: int, step: int, resident: dict[str, int], startup: int, peak: int) -> str:
-    """One rank's split of its step ``peak`` (0: unknown), in GiB."""
+def split_line(rank: int, step: int, resident: dict[str, int], startup: int, peak: int, others: int = 0) -> str:
+    """One rank's split of its step ``peak`` (0: unknown), in GiB; with ``others`` (the RSS
+    besides tensors as the step began) also the tensors at the peak, ``peak - others``: what the
+    simulator predicts (:func:`simulated_memory_line`), if what is not a tensor stays put."""
     g = 2**30
     line = (f"Piper memory split: rank {rank} step {step} params {resident['params'] / g:.4f}GiB "
             f"grads {resident['grads'] / g:.4f}GiB optimizer {resident['optimizer'] / g:.4f}GiB "
             f"start-up {startup / g:.4f}GiB")
     if peak:
         line += f" peak {peak / g:.4f}GiB transient {(peak - startup - sum(resident.values())) / g:.4f}GiB"
+        if others:
+            line += f" tensors at peak {(peak - others) / g:.4f}GiB"
     return line
+
+
+def simulated_memory_line(rank: int, plan_rank: int, result) -> str:
+    """The simulator's memory for process ``rank``, plan rank ``plan_rank`` of ``result`` (a
+    :class:`piper_plugin.SimResult`), in GiB: what :func:`split_line`'s tensors at peak measure."""
+    g, static = 2**30, result.static_bytes[plan_rank]
+    return (f"Piper simulated memory: rank {rank} plan rank {plan_rank} params {static['params'] / g:.4f}GiB "
+            f"grads {static['grads'] / g:.4f}GiB optimizer {static['optimizer'] / g:.4f}GiB "
+            f"transient {result.peak_transient_bytes[plan_rank] / g:.4f}GiB peak {result.per_rank_peak[plan_rank] / g:.4f}GiB")

@@ -82,11 +82,14 @@ class PiperTrainer(Trainer):
         self._startup_rss = startup_rss
 
     def train_step(self, data_iterator):
+        split = self.config.piper.memory_split
+        if split:  # what the process holds besides tensors as the step begins
+            others = resident.current_rss_bytes() - sum(resident.resident_bytes(self.model_parts, self.optimizers).values())
         super().train_step(data_iterator)
-        if self.config.piper.memory_split:
+        if split:
             held = resident.resident_bytes(self.model_parts, self.optimizers)
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            logger.info(resident.split_line(rank, self.step, held, self._startup_rss, cpu.last_peak_rss))
+            logger.info(resident.split_line(rank, self.step, held, self._startup_rss, cpu.last_peak_rss, others))
 
     def init_distributed(self):
         dims = super().init_distributed()

@@ -45,8 +45,10 @@ class WorkingMemory(TorchDispatchMode):
         self._snapshots: list[frozenset[int]] = []
 
     def __enter__(self):
+        """Levels count from here: the start is the live bytes now, earlier records are dropped."""
         self._expire()
         self.start = self.high = self.live
+        self._snapshots.clear()
         return super().__enter__()
 
     def track(self, storage: torch.UntypedStorage) -> None:

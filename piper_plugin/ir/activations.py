@@ -4,9 +4,10 @@ measured without real memory.
 The regions run in order on fake CPU tensors (FakeTensorMode picks the kernels the CPU
 would: e.g. the fused SDPA that saves q, k, v, out and a log-sum-exp, not the math path's
 attention matrix), each input from another region made a fresh autograd leaf as the runtime
-does. A region's activation bytes are the storages autograd saves (each once: views share a
-storage; parameters' storages excluded) plus its outputs (the runtime keeps them as backward
-roots). Its backward then runs on the same fake tensors under
+does. A region's activation bytes are the storages its forward's ops made that are still
+alive once it returned (each once: views share a storage; parameters and inputs are no op's
+new storage): what autograd saves, what activation checkpointing keeps in its own frames, and
+the outputs (the runtime keeps them as backward roots). Its backward then runs on the same fake tensors under
 :class:`~piper_plugin.autograd.working_memory.WorkingMemory`, gradients already allocated (the
 state of every microbatch after a step's first): once whole (B), and once split as the runtime
 splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
@@ -65,18 +66,21 @@ def saved_activation_bytes(program, model: nn.Module, loss_fn: Callable, inputs:
 
 
 def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any],
-                  fake: bool = True) -> dict[str, RegionMemory]:
+                  fake: bool = True, *, split: bool = True) -> dict[str, RegionMemory]:
     """Per region (in program order, each fed the outputs of those before): what one forward
     keeps and what its backward allocates. Regions of one structure on inputs of one shape (a
     model's repeated layers) are measured once. ``fake=False`` measures ``model`` itself on
-    real tensors instead (a check of the fake run; it zeroes the model's gradients)."""
+    real tensors instead (a check of the fake run; it zeroes the model's gradients). ``split=False``
+    measures the whole backward alone (a region whose graph allows one backward: selective
+    activation checkpointing)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+
+    def fake_value(t):
+        return mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor) else t
     if fake:
         model = _fake_copy(model, mode)
-        inputs = [mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor)
-                  else t for t in inputs]
+        inputs = [fake_value(t) for t in inputs]
     chunks = program.instantiate(model, loss_fn)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
     result: dict[str, RegionMemory] = {}
     measured: dict[str, RegionMemory] = {}
     with mode:
@@ -93,52 +97,48 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
 
             def forward(tracker: WorkingMemory) -> tuple[list, Any, int]:
                 args = leaves()
-                outs, saved = _forward(chunk, args, params, tracker)
+                outs, saved = _forward(chunk, args, tracker)
                 return args, outs, saved
 
             def keep(outs) -> None:  # the regions after this one read its outputs
                 env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
 
             args = leaves()
-            key = _structure(program.graphs[name], chunk, args)
+            key = _structure(program.graphs.get(name), chunk, args)
             if key in measured:
                 with torch.no_grad():
                     keep(chunk(*args))
                 result[name] = measured[key]
                 continue
             tracker = WorkingMemory(record=True)
-            outs, saved = _forward(chunk, args, params, tracker)
+            outs, saved = _forward(chunk, args, tracker)
             keep(outs)
             weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
             full = _whole_backward(tracker, outs, weights)
             del args, outs
-            result[name] = measured[key] = RegionMemory(saved, _split_backward(forward, full, weights))
+            backward = _split_backward(forward, full, weights) if split else BackwardBytes(full=full)
+            result[name] = measured[key] = RegionMemory(saved, backward)
     return result
 
 
-def _forward(chunk: nn.Module, args: list, params: set[int], tracker) -> tuple[Any, int]:
-    """Run ``chunk``; its saved storages (parameters' excluded) and outputs needing gradients
-    are tracked by ``tracker``. Returns the outputs and those storages' bytes."""
-    held: dict[int, int] = {}
-
-    def note(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params:
-            held[storage._cdata] = storage.nbytes()
-            tracker.track(storage)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+def _forward(chunk: nn.Module, args: list, tracker) -> tuple[Any, int]:
+    """Run ``chunk`` under ``tracker``: what it keeps is every storage its ops made that is
+    still alive once it returned (what autograd saved, what activation checkpointing keeps in
+    its own frames, the outputs; parameters and inputs are no op's new storage). Returns the
+    outputs and those storages' bytes."""
+    before = tracker.settle()
+    with tracker:
         outs = chunk(*args)
-    for t in outs:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            note(t)
-    return outs, sum(held.values())
+    return outs, tracker.settle() - before
 
 
 def _structure(graph, chunk: nn.Module, args: list) -> str:
     """The region's ops (parameters and modules by shape, values by position) and its inputs'
-    shapes: equal for regions whose memory is equal, such as a model's repeated layers."""
+    shapes: equal for regions whose memory is equal, such as a model's repeated layers. A
+    module region (no graph) is its chunk's modules and their parameters' shapes."""
+    shapes = [(tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+    if graph is None:
+        return repr((repr(chunk), [(tuple(p.shape), p.dtype, p.requires_grad) for p in chunk.parameters()], shapes))
     index = {n: i for i, n in enumerate(graph.nodes)}
     ops = []
     for n in graph.nodes:
@@ -152,7 +152,6 @@ def _structure(graph, chunk: nn.Module, args: list) -> str:
             module = chunk.get_submodule(n.target)
             target = (repr(module), tuple((k, tuple(p.shape), p.requires_grad) for k, p in module.named_parameters()))
         ops.append((n.op, target, map_arg((n.args, n.kwargs), index.__getitem__)))
-    shapes = [(tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
     return repr((ops, shapes))
 
 

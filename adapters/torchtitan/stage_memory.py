@@ -1,0 +1,59 @@
+"""What a TorchTitan stage keeps for its backward and what its backward allocates, measured.
+
+A stage program's regions are modules, not traced graphs, so the compiler has only an estimate
+of their activations. Here every stage runs on fake tensors of the plan's batch
+(:func:`piper_plugin.region_memory`: no memory is used, no parameter is read), as a copy of the
+stage before TorchTitan's SPMD wrapping with TorchTitan's activation checkpointing applied, as
+it will run. Every rank measures every stage the same way, so all compile the same plan.
+Invariant: where a stage cannot be measured (an op fake tensors cannot run) every rank keeps
+the estimate and the log says why. torch.compile is not applied to the copies: a compiled
+stage is measured as it runs eagerly.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torchtitan.tools.logging import logger
+
+from piper_plugin import region_memory
+from piper_plugin.adapters.torchtitan.program import LocalStages, StageProgram
+
+__all__ = ["measure_stage_memory", "apply_stage_memory"]
+
+
+def measure_stage_memory(program: StageProgram, parts: Sequence[nn.Module], loss_fn: Callable[..., Any], *,
+                         ac_config: Any, dump_folder: str, seq_len: int, split: bool) -> dict[str, Any]:
+    """Per region: (bytes a forward keeps, its backward's working memory) for the plan's batch,
+    from copies of ``parts`` (every stage, unwrapped, any device) with ``ac_config`` applied;
+    ``split``: the plan may split a stage's backward. Empty where a stage cannot be measured."""
+    copies = [copy.deepcopy(part) for part in parts]
+    if hasattr(loss_fn, "set_lm_head") and getattr(copies[-1], "lm_head", None) is not None:
+        copies[-1]._skip_lm_head = True  # the loss applies the head, chunk by chunk, as TorchTitan sets it up
+    if ac_config is not None:
+        for part in copies:
+            ac_config.build(dump_folder=dump_folder).apply(part)
+    batch = program.dag.batch_size  # the plan's: the simulator scales it to a microbatch
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long)
+    inputs = (tokens, {}, tokens.clone(), {"global_valid_tokens": torch.tensor(float(batch * seq_len))})
+    try:
+        measured = region_memory(program, LocalStages(dict(enumerate(copies))), loss_fn, inputs, split=split)
+    except Exception as exc:  # noqa: BLE001 - an op fake tensors cannot run: keep the estimate
+        frames = traceback.extract_tb(exc.__traceback__)  # the innermost outside torch itself
+        where = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), frames[-1])
+        logger.warning(f"Piper: stage memory not measured ({type(exc).__name__} in {where.name} "
+                       f"({where.filename}:{where.lineno}): {exc}); the simulator estimates activations "
+                       f"from the hidden state")
+        return {}
+    return {name: (m.saved, m.backward) for name, m in measured.items()}
+
+
+def apply_stage_memory(program: StageProgram, measured: dict[str, Any]) -> None:
+    """Set each measured region's ``activation_bytes`` and ``backward``."""
+    for name, (saved, backward) in measured.items():
+        program.regions[name].activation_bytes = saved
+        program.regions[name].backward = backward
