@@ -175,3 +175,50 @@ def test_pairwise_exchanges_match_the_rank_major_collectives():
             if works:
                 works[-1][1]()
             assert torch.allclose(out, sum(w[i] for w in wants), atol=1e-6)
+
+
+def test_rank_major_pairwise_collectives_for_uneven_rows():
+    """A bucket whose rows do not split evenly moves one rank-major block per peer: n members,
+    simulated by delivering each one's messages to its peer, gather every member's block and
+    reduce-scatter to the sum of the members' blocks, in member order."""
+    from piper_plugin.runtime import block_gathers
+
+    torch.manual_seed(0)
+    for n in (2, 3):
+        members = []
+        for i in range(n):
+            ops = object.__new__(block_gathers._Collectives)
+            ops.group, ops.index, ops.n, ops.pairwise = None, i, n, True
+            ops.peers = [j for j in range(n) if j != i]
+            posted: list = []
+            ops.exchange = lambda triples, tag, posted=posted: posted.extend(triples) or [(None, None)] * len(triples)
+            members.append((ops, posted))
+
+        def deliver():
+            for i, (_, mine) in enumerate(members):
+                for j in range(n):
+                    into = [t[1] for t in mine if t[0] == j]
+                    sent = [t[2] for t in members[j][1] if t[0] == i]
+                    for a, b in zip(into, sent):
+                        a.copy_(b)
+            for _, mine in members:
+                mine.clear()
+
+        shards = [torch.randn(5) for _ in range(n)]
+        outs = [torch.empty(5 * n) for _ in range(n)]
+        for (ops, _), shard, out in zip(members, shards, outs):
+            ops.gather(out, shard)
+        deliver()
+        assert all(torch.equal(out, torch.cat(shards)) for out in outs)
+
+        sources = [torch.randn(n * 7) for _ in range(n)]
+        results, issued = [torch.empty(7) for _ in range(n)], []
+        for (ops, _), src, out in zip(members, sources, results):
+            issued.append(ops.reduce_scatter(out, src))
+        deliver()
+        for i, (works, out) in enumerate(zip(issued, results)):
+            works[-1][1]()
+            want = sources[0].view(n, 7)[i].clone()
+            for src in sources[1:]:
+                want += src.view(n, 7)[i]
+            assert torch.equal(out, want)
