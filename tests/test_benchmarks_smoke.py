@@ -141,6 +141,27 @@ def test_zero_memory_reads_peaks_and_caps():
         zero_memory.main(["--batches", "6"])
 
 
+def test_zero_memory_compares_the_simulator_with_the_tensors_at_peak():
+    """The lines the adapter logs (the simulator's memory per rank, the measured split with the
+    tensors at the peak) are the ones ``zero_memory`` reads: the ratio on the rank where the two
+    differ most."""
+    from types import SimpleNamespace
+
+    from benchmarks import zero_memory
+    from piper_plugin.adapters.torchtitan.resident import simulated_memory_line, split_line
+
+    g = 2**30
+    result = SimpleNamespace(static_bytes=[{"params": g, "grads": g, "optimizer": 2 * g}] * 2,
+                             peak_transient_bytes=[g, g // 2], per_rank_peak=[5 * g, int(4.5 * g)])
+    held = {"params": g, "grads": g, "optimizer": 2 * g}
+    log = "\n".join([simulated_memory_line(0, 1, result), simulated_memory_line(1, 0, result),
+                     split_line(0, 3, held, g, 7 * g, 2 * g), split_line(1, 3, held, g, 8 * g, 2 * g),
+                     split_line(1, 2, held, g, 9 * g, 2 * g)])
+    # rank 0 (plan rank 1): 4.5 / 5; rank 1 (plan rank 0): 5 / 6, the farther from 1
+    assert zero_memory.simulated_over_measured(log, 3) == pytest.approx(5 / 6, rel=1e-3)
+    assert zero_memory.simulated_over_measured(log, 4) is None
+
+
 @pytest.mark.slow
 def test_cuda_check_smoke(tmp_path, capsys):
     """The GPU session's script, on gloo: the two-stream rank, a pipeline and ZeRO-3 against one
