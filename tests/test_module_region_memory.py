@@ -31,7 +31,8 @@ class Block(nn.Module):
             return checkpoint(self.body, x, use_reentrant=False)
         if self.ac == "selective":  # keep the ReLUs' outputs, recompute the rest
             def policy(ctx, op, *args, **kwargs):
-                return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.relu.default else CheckpointPolicy.PREFER_RECOMPUTE
+                keep = op is torch.ops.aten.relu.default
+                return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
             return checkpoint(self.body, x, use_reentrant=False,
                               context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
         return self.body(x)

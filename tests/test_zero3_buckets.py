@@ -191,7 +191,8 @@ def test_rank_major_pairwise_collectives_for_uneven_rows():
             ops.group, ops.index, ops.n, ops.pairwise = None, i, n, True
             ops.peers = [j for j in range(n) if j != i]
             posted: list = []
-            ops.exchange = lambda triples, tag, posted=posted: posted.extend(triples) or [(None, None)] * len(triples)
+            ops.exchange = (lambda triples, tag, posted=posted:
+                            posted.extend(triples) or [(None, None)] * len(triples))
             members.append((ops, posted))
 
         def deliver():

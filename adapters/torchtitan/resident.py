@@ -76,4 +76,5 @@ def simulated_memory_line(rank: int, plan_rank: int, result) -> str:
     g, static = 2**30, result.static_bytes[plan_rank]
     return (f"Piper simulated memory: rank {rank} plan rank {plan_rank} params {static['params'] / g:.4f}GiB "
             f"grads {static['grads'] / g:.4f}GiB optimizer {static['optimizer'] / g:.4f}GiB "
-            f"transient {result.peak_transient_bytes[plan_rank] / g:.4f}GiB peak {result.per_rank_peak[plan_rank] / g:.4f}GiB")
+            f"transient {result.peak_transient_bytes[plan_rank] / g:.4f}GiB "
+            f"peak {result.per_rank_peak[plan_rank] / g:.4f}GiB")

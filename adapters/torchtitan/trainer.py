@@ -84,7 +84,8 @@ class PiperTrainer(Trainer):
     def train_step(self, data_iterator):
         split = self.config.piper.memory_split
         if split:  # what the process holds besides tensors as the step begins
-            others = resident.current_rss_bytes() - sum(resident.resident_bytes(self.model_parts, self.optimizers).values())
+            kept = resident.resident_bytes(self.model_parts, self.optimizers)
+            others = resident.current_rss_bytes() - sum(kept.values())
         super().train_step(data_iterator)
         if split:
             held = resident.resident_bytes(self.model_parts, self.optimizers)

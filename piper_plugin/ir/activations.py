@@ -7,10 +7,10 @@ attention matrix), each input from another region made a fresh autograd leaf as 
 does. A region's activation bytes are the storages its forward's ops made that are still
 alive once it returned (each once: views share a storage; parameters and inputs are no op's
 new storage): what autograd saves, what activation checkpointing keeps in its own frames, and
-the outputs (the runtime keeps them as backward roots). Its backward then runs on the same fake tensors under
-:class:`~piper_plugin.autograd.working_memory.WorkingMemory`, gradients already allocated (the
-state of every microbatch after a step's first): once whole (B), and once split as the runtime
-splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
+the outputs (the runtime keeps them as backward roots). Its backward then runs on the same fake
+tensors under :class:`~piper_plugin.autograd.working_memory.WorkingMemory`, gradients already
+allocated (the state of every microbatch after a step's first): once whole (B), and once split
+as the runtime splits it (BI, then BW). Each op's level is kept in two parts, what scales with the batch and
 the parameter-sized gradients that do not, so the simulator can read a microbatch's peak.
 Regions of one structure on inputs of one shape are measured once. Invariant: the simulator's
 activation and backward memory is the runtime meter's, up to allocator effects.
