@@ -129,6 +129,25 @@ def test_rank_major_layout_cuts_each_parameter_like_torch_chunk():
             assert grads[:, :bucket.shard_numel].sum() == sum(p.numel() for p in params)
 
 
+def _poster(posted: list):
+    """A pairwise exchange that records its ``(peer, into, send)`` messages in ``posted``."""
+    return lambda triples: posted.extend(triples) or [(None, None)] * len(triples)
+
+
+def _deliver(posted: list[list]) -> None:
+    """Deliver every member's posted messages (``posted[i]``: member i's, in order) to their
+    peer, in the order posted, and clear them."""
+    for i, mine in enumerate(posted):
+        for j, theirs in enumerate(posted):
+            into = [t[1] for t in mine if t[0] == j]
+            sent = [t[2] for t in theirs if t[0] == i]
+            assert len(into) == len(sent)
+            for a, b in zip(into, sent):
+                a.copy_(b)
+    for mine in posted:
+        mine.clear()
+
+
 def test_pairwise_exchanges_match_the_rank_major_collectives():
     """On gloo a block whose rows split evenly moves as pairwise messages per parameter and peer,
     straight into the parameters and from the gradients (``gather_pairwise``,
@@ -145,32 +164,23 @@ def test_pairwise_exchanges_match_the_rank_major_collectives():
                               index_in_group=i) for i in range(n)]
         assert all(b.in_place for b in members)
 
-        def deliver(posted):  # posted[i]: member i's (peer, into, send) in order
-            for i, mine in enumerate(posted):
-                for j in range(n):
-                    into = [t[1] for t in mine if t[0] == j]
-                    sent = [t[2] for t in posted[j] if t[0] == i]
-                    assert len(into) == len(sent)
-                    for a, b in zip(into, sent):
-                        a.copy_(b)
-
         posted = [[] for _ in members]
         for i, bucket in enumerate(members):
-            bucket.gather_pairwise(lambda triples, i=i: posted[i].extend(triples) or [(None, None)] * bool(triples))
-        deliver(posted)
+            bucket.gather_pairwise(_poster(posted[i]))
+        _deliver(posted)
         for bucket in members:
             assert all(torch.equal(p.detach(), v) for p, v in zip(bucket.params, values))
 
         grads = [[torch.randn(s) if k != 1 or i == 0 else None for k, s in enumerate(shapes)] for i in range(n)]
-        posted, results, wants = [[] for _ in members], [], []
+        results, wants = [], []
         for i, (bucket, mine) in enumerate(zip(members, grads)):
             for p, g in zip(bucket.params, mine):
                 p.grad = g
             wants.append(bucket.flat_grad(take=False).view(n, -1))  # rank-major, flags per block
-            works, out, _ = bucket.reduce_pairwise(lambda triples, i=i: posted[i].extend(triples) or [(None, None)] * bool(triples))
+            works, out, _ = bucket.reduce_pairwise(_poster(posted[i]))
             assert all(p.grad is None for p in bucket.params)
             results.append((works, out))
-        deliver(posted)
+        _deliver(posted)
         for i, (works, out) in enumerate(results):
             if works:
                 works[-1][1]()
@@ -185,38 +195,27 @@ def test_rank_major_pairwise_collectives_for_uneven_rows():
 
     torch.manual_seed(0)
     for n in (2, 3):
-        members = []
+        members, posted = [], [[] for _ in range(n)]
         for i in range(n):
             ops = object.__new__(block_gathers._Collectives)
             ops.group, ops.index, ops.n, ops.pairwise = None, i, n, True
             ops.peers = [j for j in range(n) if j != i]
-            posted: list = []
-            ops.exchange = (lambda triples, tag, posted=posted:
-                            posted.extend(triples) or [(None, None)] * len(triples))
-            members.append((ops, posted))
-
-        def deliver():
-            for i, (_, mine) in enumerate(members):
-                for j in range(n):
-                    into = [t[1] for t in mine if t[0] == j]
-                    sent = [t[2] for t in members[j][1] if t[0] == i]
-                    for a, b in zip(into, sent):
-                        a.copy_(b)
-            for _, mine in members:
-                mine.clear()
+            post = _poster(posted[i])
+            ops.exchange = lambda triples, tag, post=post: post(triples)
+            members.append(ops)
 
         shards = [torch.randn(5) for _ in range(n)]
         outs = [torch.empty(5 * n) for _ in range(n)]
-        for (ops, _), shard, out in zip(members, shards, outs):
+        for ops, shard, out in zip(members, shards, outs):
             ops.gather(out, shard)
-        deliver()
+        _deliver(posted)
         assert all(torch.equal(out, torch.cat(shards)) for out in outs)
 
         sources = [torch.randn(n * 7) for _ in range(n)]
         results, issued = [torch.empty(7) for _ in range(n)], []
-        for (ops, _), src, out in zip(members, sources, results):
+        for ops, src, out in zip(members, sources, results):
             issued.append(ops.reduce_scatter(out, src))
-        deliver()
+        _deliver(posted)
         for i, (works, out) in enumerate(zip(issued, results)):
             works[-1][1]()
             want = sources[0].view(n, 7)[i].clone()

@@ -74,12 +74,10 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
     measures the whole backward alone (a region whose graph allows one backward: selective
     activation checkpointing)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-
-    def fake_value(t):
-        return mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor) else t
     if fake:
         model = _fake_copy(model, mode)
-        inputs = [fake_value(t) for t in inputs]
+        inputs = [mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor)
+                  else t for t in inputs]
     chunks = program.instantiate(model, loss_fn)
     result: dict[str, RegionMemory] = {}
     measured: dict[str, RegionMemory] = {}

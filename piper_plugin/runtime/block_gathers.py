@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from piper_plugin.runtime.buckets import FlatBucket
+from piper_plugin.runtime.buckets import FlatBucket, add_in_member_order, then_last
 from piper_plugin.runtime.dist_comm import all_gather_into, reduce_scatter_into
 
 __all__ = ["BlockGathers"]
@@ -83,19 +83,9 @@ class _Collectives:
         if not self.pairwise:
             return [(reduce_scatter_into(out, src, group=self.group, async_op=True), None)]
         blocks = src.view(self.n, -1)
-        received = src.new_empty(len(self.peers), blocks.shape[1])
-        issued = self.exchange([(j, received[a], blocks[j]) for a, j in enumerate(self.peers)], _REDUCE)
-
-        def add() -> None:
-            others = iter(received)
-            for j in range(self.n):
-                part = blocks[j] if j == self.index else next(others)
-                out.copy_(part) if j == 0 else out.add_(part)
-        if issued:
-            issued[-1] = (issued[-1][0], add)
-        else:  # a group of one
-            add()
-        return issued
+        parts = [blocks[j] if j == self.index else src.new_empty(blocks.shape[1]) for j in range(self.n)]
+        issued = self.exchange([(j, parts[j], blocks[j]) for j in self.peers], _REDUCE)
+        return then_last(issued, lambda: add_in_member_order(out, parts))
 
     def gather_bucket(self, bucket: FlatBucket) -> tuple[list, torch.Tensor]:
         """Per parameter, straight into ``bucket``'s parameters (``in_place`` buckets)."""

@@ -33,7 +33,23 @@ from itertools import accumulate
 import torch
 import torch.nn as nn
 
-__all__ = ["FlatBucket"]
+__all__ = ["FlatBucket", "add_in_member_order", "then_last"]
+
+
+def add_in_member_order(out: torch.Tensor, parts) -> None:
+    """``out`` = the members' contributions summed in member order (the same order on every member)."""
+    for j, part in enumerate(parts):
+        out.copy_(part) if j == 0 else out.add_(part)
+
+
+def then_last(works: list, then) -> list:
+    """``works`` (``(work, then)`` pairs) with ``then`` run once the last has ended; at once
+    when there is none (a group of one)."""
+    if works:
+        works[-1] = (works[-1][0], then)
+    else:
+        then()
+    return works
 
 
 class FlatBucket:
@@ -221,37 +237,22 @@ class FlatBucket:
         contributions in member order into the result (:meth:`add_shard_grad`'s input).
         Returns the works, the result and the sources (alive until the works end)."""
         dtype, device = self.reduce_dtype, self.flat.device
-        width = self.shard_numel + self.flags
-        peers = [j for j in range(self.n) if j != self.index]
-        received = torch.empty(len(peers), width, dtype=dtype, device=device)
-        flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
-        own, triples = [], []
+        parts = torch.empty(self.n, self.shard_numel + self.flags, dtype=dtype, device=device)  # per member
+        flags = parts[self.index, self.shard_numel:]
+        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=dtype))
+        grads, triples = [], []
         for p, start, seg in zip(self.params, self._starts, self.segments):
             g = (p.grad.reshape(-1).to(dtype).contiguous() if p.grad is not None
                  else torch.zeros(p.numel(), dtype=dtype, device=device))
             rows = g.view(self.n, seg)
-            own.append((start, seg, rows[self.index]))
-            triples += [(j, received[a, start:start + seg], rows[j]) for a, j in enumerate(peers)]
-        triples += [(j, received[a, self.shard_numel:], flags) for a, j in enumerate(peers)]
+            parts[self.index, start:start + seg].copy_(rows[self.index])
+            grads.append(rows)
+            triples += [(j, parts[j, start:start + seg], rows[j]) for j in range(self.n) if j != self.index]
+        triples += [(j, parts[j, self.shard_numel:], flags) for j in range(self.n) if j != self.index]
         for p in self.params:
             p.grad = None
-        out = torch.empty(width, dtype=dtype, device=device)
-
-        def add() -> None:
-            others = iter(received)
-            for j in range(self.n):
-                if j == self.index:
-                    for start, seg, rows in own:
-                        out[start:start + seg].copy_(rows) if j == 0 else out[start:start + seg].add_(rows)
-                    out[self.shard_numel:].copy_(flags) if j == 0 else out[self.shard_numel:].add_(flags)
-                else:
-                    out.copy_(next(others)) if j == 0 else out.add_(next(others))
-        works = exchange(triples)
-        if works:
-            works[-1] = (works[-1][0], add)
-        else:  # a group of one
-            add()
-        return works, out, [own, flags, received]
+        out = torch.empty(parts.shape[1], dtype=dtype, device=device)
+        return then_last(exchange(triples), lambda: add_in_member_order(out, parts)), out, [grads, parts]
 
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
