@@ -130,7 +130,7 @@ def _rank(rank: int, port: int, recipe: str, blocks: bool, zero: int, out) -> No
         peak = state.meter.peak
         for key, bucket in state.buckets.items():  # the whole parameters, gathered from the shards
             if bucket.zero == 3:
-                bucket.materialize(executor.comm.gather_bucket(key, bucket.shard_data()))
+                executor.comm.gather_bucket(key, bucket)
         params = {f"model.{n}": p.detach().tolist() for n, p in model.named_parameters()}  # no shared memory
         out.put((rank, {"params": params, "blocks": sorted(state.blocks), "at_once": at_once[0], "peak": peak}))
     except Exception:  # noqa: BLE001 - reported to the test

@@ -43,6 +43,16 @@ def test_four_ranks_match_single_device(recipe, pp, dp, zero):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_rows_that_do_not_split_evenly_over_the_replicas(zero):
+    """A vocabulary of 63 rows over dp=2: the bucket's gathers and reduce-scatters go through
+    the rank-major layout (one padded block per member) instead of per parameter in place."""
+    cfg = ToyLMConfig(n_layers=2, vocab=63)
+    check_distributed_parity(functools.partial(_model, ToyLM, cfg, 2), cfg, 16,
+                             functools.partial(_schedule, "1f1b", 2, 2, 1, 4, zero))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_moe_with_expert_parallelism_on_four_ranks(recipe):
     _check_parity(recipe, pp=2, ep=2, moe=True)

@@ -129,12 +129,13 @@ def test_zero_levels_shrink_static_memory():
 def test_zero3_holds_one_gathered_copy_of_a_bucket(recipe, p):
     """Gathers of one bucket for several microbatches overlap (the dp stream runs ahead); the
     runtime keeps one copy while any is in use, so ZeRO-3's transient peak exceeds ZeRO-2's by
-    at most the rank's full parameters (it was 2-3 copies when each gather was charged)."""
+    at most the rank's full parameters twice: the copy, and while a gather runs its rank-major
+    receive buffer (it was 2-3 copies when each gather was charged, and more per microbatch)."""
     full = _simulate(recipe, p, 8, dp=2, zero=0)[1].static_bytes
     zero2 = _simulate(recipe, p, 8, dp=2, zero=2)[1].peak_transient_bytes
     zero3 = _simulate(recipe, p, 8, dp=2, zero=3)[1].peak_transient_bytes
     for rank, (two, three) in enumerate(zip(zero2, zero3)):
-        assert 0 < three - two <= full[rank]["params"] * 1.01, rank  # padding to the group size
+        assert 0 < three - two <= 2 * full[rank]["params"] * 1.01, rank  # padding to the group size
 
 
 def test_comm_cost_lengthens_the_step():

@@ -191,13 +191,13 @@ def test_rank_major_pairwise_collectives_for_uneven_rows():
     """A bucket whose rows do not split evenly moves one rank-major block per peer: n members,
     simulated by delivering each one's messages to its peer, gather every member's block and
     reduce-scatter to the sum of the members' blocks, in member order."""
-    from piper_plugin.runtime import block_gathers
+    from piper_plugin.runtime.group_collectives import GroupCollectives
 
     torch.manual_seed(0)
     for n in (2, 3):
         members, posted = [], [[] for _ in range(n)]
         for i in range(n):
-            ops = object.__new__(block_gathers._Collectives)
+            ops = object.__new__(GroupCollectives)
             ops.group, ops.index, ops.n, ops.pairwise = None, i, n, True
             ops.peers = [j for j in range(n) if j != i]
             post = _poster(posted[i])

@@ -33,72 +33,14 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from piper_plugin.runtime.buckets import FlatBucket, add_in_member_order, then_last
-from piper_plugin.runtime.dist_comm import all_gather_into, reduce_scatter_into
+from piper_plugin.runtime.buckets import FlatBucket
+from piper_plugin.runtime.group_collectives import GroupCollectives
 
 __all__ = ["BlockGathers"]
 
-
-
-_GATHER, _REDUCE = 1, 2  # message tags of the pairwise exchanges
-
-
-class _Collectives:
-    """Asynchronous gathers and reduce-scatters over one group, each issued as a list of
-    ``(work, then)``: ``then`` (or None) runs once that work and those before it ended.
-
-    On gloo both run as pairwise exchanges: each member sends every other member the rows it
-    owes it and receives its own from each, the bytes of a ring's; measured at about half the
-    time of gloo's all-gather or all-reduce on the same rows (HOST_FRAMEWORKS.md). Where every
-    parameter's rows split evenly over the group the messages go per parameter straight from
-    the gradients and into the parameters (:meth:`FlatBucket.gather_pairwise`,
-    :meth:`FlatBucket.reduce_pairwise`); otherwise one message per peer moves a rank-major
-    block. Every member posts its messages in the same order (FIFO per peer and tag). A
-    reduce-scatter sums the members' rows in member order."""
-
-    def __init__(self, group: Any, index: int, n: int):
-        self.group, self.index, self.n = group, index, n
-        self.pairwise = dist.get_backend(group) == "gloo"
-        self.peers = [j for j in range(n) if j != index]
-
-    def exchange(self, triples: list[tuple[int, torch.Tensor, torch.Tensor]], tag: int) -> list:
-        """Per ``(peer, into, send)``: receive ``into`` from that member, send it ``send``."""
-        issued = [(dist.irecv(into, group=self.group, group_src=j, tag=tag), None) for j, into, _ in triples]
-        return issued + [(dist.isend(send, group=self.group, group_dst=j, tag=tag), None) for j, _, send in triples]
-
-    def gather(self, out: torch.Tensor, shard: torch.Tensor) -> list:
-        """``out`` (rank-major) = every member's ``shard``."""
-        if not self.pairwise:
-            return [(all_gather_into(out, shard, group=self.group, async_op=True), None)]
-        blocks = out.view(self.n, -1)
-        blocks[self.index].copy_(shard)
-        return self.exchange([(j, blocks[j], shard) for j in self.peers], _GATHER)
-
-    def reduce_scatter(self, out: torch.Tensor, src: torch.Tensor) -> list:
-        """``out`` = the sum over members of their ``src`` (rank-major) block ``index``."""
-        if not self.pairwise:
-            return [(reduce_scatter_into(out, src, group=self.group, async_op=True), None)]
-        blocks = src.view(self.n, -1)
-        parts = [blocks[j] if j == self.index else src.new_empty(blocks.shape[1]) for j in range(self.n)]
-        issued = self.exchange([(j, parts[j], blocks[j]) for j in self.peers], _REDUCE)
-        return then_last(issued, lambda: add_in_member_order(out, parts))
-
-    def gather_bucket(self, bucket: FlatBucket) -> tuple[list, torch.Tensor]:
-        """Per parameter, straight into ``bucket``'s parameters (``in_place`` buckets)."""
-        if self.pairwise:
-            return bucket.gather_pairwise(lambda triples: self.exchange(triples, _GATHER))
-        return bucket.gather_in_place(lambda out, shard: self.gather(out, shard)[0])
-
-    def reduce_bucket(self, bucket: FlatBucket) -> tuple[list, torch.Tensor, Any]:
-        """Per parameter, straight from ``bucket``'s gradients (``in_place`` buckets)."""
-        if self.pairwise:
-            return bucket.reduce_pairwise(lambda triples: self.exchange(triples, _REDUCE))
-        return bucket.reduce_in_place(lambda out, src: self.reduce_scatter(out, src)[0],
-                                      lambda t: (dist.all_reduce(t, group=self.group, async_op=True), None))
 
 
 class BlockGathers:
@@ -111,7 +53,7 @@ class BlockGathers:
         self.region, self.modules, self.buckets, self.group = region, modules, buckets, group
         self.meter, self.lock, self.cuda = meter, lock, cuda
         self.timeout = timedelta(seconds=timeout_s)
-        self.ops = _Collectives(group, buckets[0].index, buckets[0].n)
+        self.ops = GroupCollectives(group, buckets[0].index, buckets[0].n)
         self.reduces = [any(p.requires_grad for p in b.params) for b in buckets]
         self.gathers = buckets[0].zero == 3  # ZeRO-2: the parameters stay whole, only reductions
         self.mode: str | None = None  # the kind of this region's task now running (F, B, BI, BW)
@@ -286,13 +228,7 @@ class BlockGathers:
                                    f"blocks must run in sequence and use only their own parameters")
 
     def _wait(self, issued) -> None:
-        work, then = issued
-        if self.cuda:
-            work.wait()
-        else:
-            work.wait(self.timeout)
-        if then is not None:
-            then()
+        self.ops.finish([issued], None if self.cuda else self.timeout)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -233,26 +233,35 @@ class FlatBucket:
     def reduce_pairwise(self, exchange) -> tuple[list, torch.Tensor, list]:
         """Issue ``exchange(triples)`` from the gradients (``.grad``, taken) and flags: each peer
         is sent its rows of every parameter and our flags, and its contributions to our rows are
-        received. Needs :attr:`in_place`. The last work's ``then`` sums the members'
-        contributions in member order into the result (:meth:`add_shard_grad`'s input).
-        Returns the works, the result and the sources (alive until the works end)."""
+        received, one slot per peer (our own rows are read where they lie). Needs
+        :attr:`in_place`. The last work's ``then`` sums the members' contributions in member
+        order into the result (:meth:`add_shard_grad`'s input). Returns the works, the result
+        and the sources (alive until the works end)."""
         dtype, device = self.reduce_dtype, self.flat.device
-        parts = torch.empty(self.n, self.shard_numel + self.flags, dtype=dtype, device=device)  # per member
-        flags = parts[self.index, self.shard_numel:]
-        flags.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=dtype))
-        grads, triples = [], []
+        width = self.shard_numel + self.flags
+        received = torch.empty(self.n - 1, width, dtype=dtype, device=device)  # per peer, in member order
+        slot = {j: k for k, j in enumerate(j for j in range(self.n) if j != self.index)}
+        flags = torch.tensor([p.grad is not None for p in self.params], dtype=dtype).to(device)
+        grads, triples, sums = [], [], []
         for p, start, seg in zip(self.params, self._starts, self.segments):
             g = (p.grad.reshape(-1).to(dtype).contiguous() if p.grad is not None
                  else torch.zeros(p.numel(), dtype=dtype, device=device))
             rows = g.view(self.n, seg)
-            parts[self.index, start:start + seg].copy_(rows[self.index])
             grads.append(rows)
-            triples += [(j, parts[j, start:start + seg], rows[j]) for j in range(self.n) if j != self.index]
-        triples += [(j, parts[j, self.shard_numel:], flags) for j in range(self.n) if j != self.index]
+            triples += [(j, received[k, start:start + seg], rows[j]) for j, k in slot.items()]
+            sums.append((slice(start, start + seg), rows[self.index]))
+        triples += [(j, received[k, self.shard_numel:], flags) for j, k in slot.items()]
+        sums.append((slice(self.shard_numel, width), flags))
         for p in self.params:
             p.grad = None
-        out = torch.empty(parts.shape[1], dtype=dtype, device=device)
-        return then_last(exchange(triples), lambda: add_in_member_order(out, parts)), out, [grads, parts]
+        out = torch.empty(width, dtype=dtype, device=device)
+
+        def add() -> None:
+            for where, own in sums:
+                add_in_member_order(out[where], [own if j == self.index else received[slot[j], where]
+                                                 for j in range(self.n)])
+
+        return then_last(exchange(triples), add), out, [grads, received, flags]
 
     # -- gradients --------------------------------------------------------------------------
     def flat_grad(self, take: bool = True) -> torch.Tensor:
@@ -295,10 +304,12 @@ class FlatBucket:
         """Add a reduce-scatter's result (this member's block and flags) to the shards' grads."""
         grads, flags = reduced[:self.shard_numel], reduced[self.shard_numel:]
         master = self.shards[0].dtype if self.shards else grads.dtype
+        # a fresh result (converted here, or one owning its whole storage) is kept as it is, not copied
+        fresh = grads.dtype != master or reduced.untyped_storage().nbytes() == reduced.nbytes
         if grads.dtype != master:
             grads = grads.to(master)
         if self.shard_grad is None:
-            self.shard_grad = grads.clone()
+            self.shard_grad = grads if fresh else grads.clone()
             self.seen = flags.cpu() > 0
         else:
             self.shard_grad.add_(grads)

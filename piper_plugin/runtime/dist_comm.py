@@ -21,15 +21,13 @@ import torch.distributed as dist
 
 from piper_plugin.ir.nodes import COLLECTIVES, Kind, Node
 from piper_plugin.runtime import comm_ops
+from piper_plugin.runtime.group_collectives import GroupCollectives, all_gather_into, reduce_scatter_into
 from piper_plugin.runtime.rank_state import RankState
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
 __all__ = ["DistComm", "communicator_specs", "block_regions"]
 
-# flat-tensor collectives under their current names (the older ones warn from torch 2.14 on)
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
@@ -81,6 +79,8 @@ class DistComm:
         self.sends: list = []
         self._sends_lock = threading.Lock()  # sends go out from several streams' threads
         timeout = timedelta(seconds=timeout_s)
+        self.wait_limit = None if device.type == "cuda" else timeout  # NCCL's watchdog bounds GPU waits
+        self._ops: dict[tuple[int, ...], GroupCollectives] = {}
         for replica in replicas:
             for stream, ranks in communicator_specs(plan):
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
@@ -133,17 +133,55 @@ class DistComm:
         """The communicator of ZeRO bucket ``key`` (region, index)'s collectives on this rank."""
         return self._bucket_groups[key]
 
-    def gather_bucket(self, key: tuple[str, int], shard: torch.Tensor) -> torch.Tensor:
-        """All-gather ``shard`` over bucket ``key``'s group, outside the plan (a host's step
-        or an eval; every member calls it in the same bucket order)."""
+    def gather_bucket(self, key: tuple[str, int], bucket) -> None:
+        """Gather bucket ``key``'s whole parameters into ``bucket`` (a :class:`FlatBucket`) over
+        its group, outside the plan (a host's step or an eval; every member calls it in the same
+        bucket order). On gloo as pairwise exchanges, in place where its rows split evenly."""
         group = self._bucket_groups[key]
-        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
-        all_gather_into(out, shard.contiguous(), group=group)
-        return out
+        ops = GroupCollectives(group, bucket.index, bucket.n)
+        if ops.pairwise and bucket.in_place:
+            works, _ = ops.gather_bucket(bucket)
+            ops.finish(works, self.wait_limit)
+            return
+        shard = bucket.shard_data().contiguous()
+        out = shard.new_empty(shard.numel() * bucket.n)
+        ops.finish(ops.gather(out, shard), self.wait_limit)
+        bucket.materialize(out)
 
     def _group(self, node: Node) -> tuple[tuple[int, ...], dist.ProcessGroup]:
         members = next(g for g in self.plan.grid.groups(node.axis, node.devices) if self.rank in g)
         return members, self.groups[(node.stream, members)]
+
+    def _group_ops(self, node: Node) -> GroupCollectives:
+        members, group = self._group(node)
+        key = (node.stream, members)
+        if key not in self._ops:
+            self._ops[key] = GroupCollectives(group, members.index(self.rank), len(members))
+        return self._ops[key]
+
+    def _bucket_collective(self, state: RankState, node: Node, ops: GroupCollectives) -> None:
+        """A bucket's REDUCE_SCATTER or step ALL_GATHER as pairwise exchanges (gloo): from the
+        gradients and into the parameters where the bucket's rows split evenly, else through
+        one rank-major buffer; no copy of the payload inside the backend."""
+        bucket = state.buckets[(node.region, node.bucket)]
+        if node.kind == Kind.ALL_GATHER and bucket.in_place:
+            works, _ = ops.gather_bucket(bucket)
+            ops.finish(works, self.wait_limit)
+            state.finished(node.key)
+            return
+        if node.kind == Kind.ALL_GATHER:
+            sources = comm_ops.payload(state, node).contiguous()
+            out = sources.new_empty(sources.numel() * ops.n)
+            works = ops.gather(out, sources)
+        elif node.phase == "step" and bucket.in_place:
+            works, out, sources = ops.reduce_bucket(bucket)
+        else:
+            sources = comm_ops.payload(state, node).contiguous()  # a microbatch's handed-over gradient, or the step's
+            out = sources.new_empty(sources.numel() // ops.n)
+            works = ops.reduce_scatter(out, sources)
+        ops.finish(works, self.wait_limit)
+        del works, sources  # the gradients and messages go before the result is kept
+        comm_ops.absorb(state, node, out)
 
     def run(self, state: RankState, node: Node) -> Callable[[float], None] | None:
         """Issue ``node``'s operation. SENDs are asynchronous (let go by :meth:`retire_sends` once
@@ -191,13 +229,15 @@ class DistComm:
 
             return complete
         elif node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):  # ZeRO-3: into the bucket
-            members, group = self._group(node)
+            ops = self._group_ops(node)
             shard = comm_ops.payload(state, node)
-            out = shard.new_empty(shard.numel() * len(members))
-            all_gather_into(out, shard.contiguous(), group=group)
+            out = shard.new_empty(shard.numel() * ops.n)
+            ops.finish(ops.gather(out, shard.contiguous()), self.wait_limit)
             if comm_ops.gather_target(state, node):  # no copy held yet: the gathered parameters go in
                 state.buckets[(node.region, node.bucket)].materialize(out)
             state.finished(node.key)
+        elif node.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and (ops := self._group_ops(node)).pairwise:
+            self._bucket_collective(state, node, ops)
         else:
             members, group = self._group(node)
             comm_ops.absorb(state, node, _collective(node, comm_ops.payload(state, node), len(members), group))

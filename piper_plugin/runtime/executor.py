@@ -267,7 +267,7 @@ class Executor:
             self.faces.refresh(self.comm.gather_bucket)
         gathered = [(key, b) for key, b in self.state.buckets.items() if b.zero == 3]
         for key, bucket in gathered:  # ZeRO-3: the whole parameters for the evaluation, in bucket order
-            bucket.materialize(self.comm.gather_bucket(key, bucket.shard_data()))
+            self.comm.gather_bucket(key, bucket)
         if self.faces is not None:
             self.faces.compute_in()
         try:

@@ -23,6 +23,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from piper_plugin.runtime.buckets import FlatBucket
+
 __all__ = ["HostFaces", "unwrap_faces"]
 
 Slot = tuple[nn.Module, str]
@@ -102,12 +104,13 @@ class HostFaces:
             for module, name in slots:
                 module._parameters[name] = face
 
-    def refresh(self, gather: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+    def refresh(self, gather: Callable[[Any, FlatBucket], None]) -> None:
         """ZeRO-1/2 keep whole parameters: after the host stepped the shards, gather them anew
-        (``gather(bucket key, shard)``, in bucket order on every rank)."""
+        (``gather(bucket key, bucket)`` fills the bucket's parameters, in bucket order on every
+        rank)."""
         for key, bucket in self.buckets.items():
             if bucket.zero < 3:
-                bucket.materialize(gather(key, bucket.shard_data()))
+                gather(key, bucket)
 
     def new_step(self) -> None:
         """The host stepped (and cleared its gradients): the buckets' shard gradients start anew."""

@@ -1,8 +1,9 @@
 """Transient memory of each rank as the simulator runs its tasks (the runtime meter's counterpart).
 
-Activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a reduce-scatter and
-received buffers (from their post, :mod:`.posting`) are held until their last local consumer
-finishes. A bucket gathered for several microbatches at once is one copy (as in the runtime,
+Activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a reduce-scatter (from
+the end of the backward that hands them over) and received buffers (from their post,
+:mod:`.posting`) are held until their last local consumer finishes. A bucket's collective holds
+the buffers it allocates while it runs (:func:`_collective_bytes`). A bucket gathered for several microbatches at once is one copy (as in the runtime,
 which counts references to it). A backward task also holds its region's working memory while
 it runs (``Region.backward``, as the runtime runs that task: whole, or split in input and
 weight passes), and an input-gradient pass leaves what it recorded for the weight pass until
@@ -25,6 +26,7 @@ __all__ = ["TransientMemory"]
 
 
 _BACKWARDS = frozenset({Kind.B, Kind.BI, Kind.BW})
+_BUCKET_COLLECTIVES = frozenset({Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_GATHER})
 
 
 class TransientMemory:
@@ -56,6 +58,8 @@ class TransientMemory:
         self.blocks = {region: (max(sizes), sum(sizes)) for region, buckets in plan.dag.buckets.items()
                        if (sizes := [b.numel * 4 for b in buckets if b.block is not None])}
         self.pinned: dict[tuple[int, str, int], list] = {}
+        self.instants: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # zero-length holds
+        self.collective: dict[str, int] = {}  # per bucket collective: what it allocates while it runs
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -68,6 +72,8 @@ class TransientMemory:
             dag = self.plan.dag
             sender = self.plan.grid.peer(r, dag.meta.placement[dag.nodes[node.peer].region])
             self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
+        if node.bucket is not None and node.kind in _BUCKET_COLLECTIVES:
+            self._collective(r, node, start, finish)
         if node.kind in _BACKWARDS:
             self._working(r, node, start, finish)
         if node.is_compute and node.region in self.blocks:
@@ -84,8 +90,8 @@ class TransientMemory:
                 elif node.kind == Kind.ALL_GATHER:
                     self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
                     held = 0  # counted in peaks(), once per bucket while in use
-                else:
-                    events.append((start, held))
+                else:  # a backward hands over its gradient payload as it ends
+                    events.append((finish if node.kind in _BACKWARDS else start, held))
                 if consumers:
                     self.waiting[r][key] = (held, set(consumers))
                     released_by = self.released_by[r]
@@ -112,6 +118,19 @@ class TransientMemory:
                     else:
                         events.append((finish, -nbytes))
                     del waiting[producer]
+
+    def _collective(self, r: int, node, start: float, finish: float) -> None:
+        """The buffers a bucket's collective allocates while it runs (:func:`_collective_bytes`);
+        one that takes no time still holds them for an instant (see :meth:`peaks`)."""
+        rise = self.collective.get(node.key)
+        if rise is None:
+            rise = self.collective[node.key] = _collective_bytes(self.plan, node)
+        if not rise:
+            return
+        if finish > start:
+            self.events[r] += [(start, rise), (finish, -rise)]
+        else:
+            self.instants[r].append((start, rise))
 
     def _working(self, r: int, node, start: float, finish: float) -> None:
         """A backward's working memory while it runs, and what a BI keeps for its BW."""
@@ -181,12 +200,45 @@ class TransientMemory:
             for stream in self.plan.ranks[r].posted:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
                 events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
+            # a collective that takes no time runs between the tasks that end at its time and
+            # those that start then: after that time's releases, before its allocations
+            marks = [(t, 0 if delta < 0 else 2, delta) for t, delta in events]
+            marks += [(t, 1, rise) for t, rise in self.instants[r]]
             level = peak = 0
-            for _, delta in sorted(events):
-                level += delta
-                peak = max(peak, level)
+            for _, order, delta in sorted(marks):
+                if order == 1:
+                    peak = max(peak, level + delta)
+                else:
+                    level += delta
+                    peak = max(peak, level)
             out.append(peak)
         return out
+
+
+def _collective_bytes(plan: Plan, node) -> int:
+    """What a bucket's collective allocates while it runs, as the pairwise exchanges run them
+    (:mod:`piper_plugin.runtime.group_collectives`), with ``n`` members and a shard of ``w``
+    bytes: an all-reduce copies the gradients; a reduce-scatter receives ``n - 1`` shards and
+    sums into one (``n w``), plus the rank-major payload (``n w``) at the step's end where
+    some parameter's rows do not split evenly over the members (else it reads the gradients
+    where they lie; a per-microbatch one's payload is its backward's); a step's all-gather
+    copies our shard (``w``), and ``n w`` more for a rank-major result where rows do not
+    split evenly; a ZeRO-3 gather receives into a rank-major result (``n w``) it then lays out
+    into the bucket (counted as the gathered bucket)."""
+    dag = plan.dag
+    bucket = dag.buckets[node.region][node.bucket]
+    n = len(next(iter(plan.grid.groups(node.axis, node.devices))))
+    full = bucket.numel * 4
+    w = -(-full // n)
+    shapes = dag.meta.param_shapes
+    even = all(len(shapes.get(p, ())) and shapes[p][0] % n == 0 for p in bucket.params)
+    if node.kind == Kind.ALL_REDUCE:
+        return full
+    if node.kind == Kind.REDUCE_SCATTER:
+        return n * w if even or node.phase == "B" else 2 * n * w
+    if node.phase == "step":
+        return w if even else (n + 1) * w
+    return n * w
 
 
 def _bucket_spans(gathers) -> list[tuple[float, int]]:
@@ -230,4 +282,6 @@ def _consumers(plan: Plan, r: int, key: str) -> list[str]:
         last = Kind.BW if dag.meta.split_backward and dag.regions[node.region].params else (
             Kind.BI if dag.meta.split_backward else Kind.B)
         return [s for s in dag.data_succ[key] if dag.nodes[s].kind == last]
+    if node.kind in (Kind.B, Kind.BW):  # its gradient payloads: until their reduce-scatters ran
+        return [s for s in dag.data_succ[key] if dag.nodes[s].kind == Kind.REDUCE_SCATTER]
     return [s for s in dag.data_succ[key] if r in dag.nodes[s].devices]
