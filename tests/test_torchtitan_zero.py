@@ -96,6 +96,21 @@ def test_schedules_and_models_match_torchtitan_fsdp(tmp_path, config, extra, pip
     _assert_parity(fsdp, piper)
 
 
+def test_zero_over_replicas_of_shards_matches_torchtitan_hsdp(tmp_path):
+    """``data_parallel_replicate_degree 2`` x ``data_parallel_shard_degree 2`` x pp 2 (8 ranks):
+    Piper's ZeRO over each replica's shard pair, the shards' gradients summed over the replicas
+    after the step, against TorchTitan's HSDP (FSDP over the shards, replicated) on the same
+    config and seed."""
+    config, steps = "llama3_debugmodel_pp2_1f1b", 5
+    extra = ["--parallelism.data_parallel_replicate_degree", "2"]
+    hsdp = _run(tmp_path, "torch-hsdp", config, "torch", extra, steps=steps, nproc=8)
+    for zero in (1, 3):
+        piper = _run(tmp_path, f"piper-hsdp{zero}", config, "piper", [*extra, "--piper.zero", str(zero)],
+                     steps=steps, nproc=8)
+        assert f"x ZeRO-{zero} over 2 data-parallel ranks x 2 data-parallel replicas" in piper.log, piper.tail()
+        _assert_parity(hsdp, piper)
+
+
 def test_checkpoints_cross_between_piper_zero3_and_torchtitan_fsdp(tmp_path):
     """A DCP checkpoint saved under Piper ZeRO-3 resumes under TorchTitan's FSDP engine and the
     other way round, each with the uninterrupted run's losses and grad norms."""

@@ -222,3 +222,38 @@ def test_rank_major_pairwise_collectives_for_uneven_rows():
             for src in sources[1:]:
                 want += src.view(n, 7)[i]
             assert torch.equal(out, want)
+
+
+def test_replicas_of_a_plan_sum_their_reduced_gradients_and_flags():
+    """``sum_over_replicas``: two replicas of one plan rank, with a parameter only one of them
+    has a gradient for, end with the sum of both replicas' gradients and that parameter's
+    gradient on both (ZeRO-0: the whole gradients; ZeRO-1: this member's shard rows)."""
+    from piper_plugin.runtime.buckets import FlatBucket
+
+    torch.manual_seed(0)
+    for zero in (0, 1):
+        replicas, grads = [], []
+        for r in range(2):
+            params = [torch.nn.Parameter(torch.randn(6, 3)), torch.nn.Parameter(torch.randn(4))]
+            bucket = FlatBucket(params, zero, group_size=2, index_in_group=0)
+            g = [torch.randn(6, 3), torch.randn(4) if r == 1 else None]  # the bias: replica 1 only
+            grads.append(g)
+            if zero == 0:
+                for p, gi in zip(params, g):
+                    p.grad = gi
+            else:  # this member's reduce-scatter result: its rows and the flags
+                rows = torch.cat([g[0][:3].reshape(-1), g[1][:2] if g[1] is not None else torch.zeros(2)])
+                bucket.add_shard_grad(torch.cat([rows, torch.tensor([1.0, float(g[1] is not None)])]))
+            replicas.append(bucket)
+        payloads = []
+        for bucket in replicas:  # what each replica contributes, collected before any sum
+            bucket.sum_over_replicas(lambda t: payloads.append(t.clone()))
+        total = payloads[0] + payloads[1]
+        for bucket in replicas:
+            bucket.sum_over_replicas(lambda t: t.copy_(total))
+            if zero == 0:
+                weight, bias = (p.grad for p in bucket.params)
+                assert torch.equal(weight, grads[0][0] + grads[1][0]) and torch.equal(bias, grads[1][1])
+            else:
+                weight, bias = (s.grad for s in bucket.shards)
+                assert torch.equal(weight, (grads[0][0] + grads[1][0])[:3]) and torch.equal(bias, grads[1][1][:2])

@@ -146,7 +146,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     if zero:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
         for s in local:
             shard_faces(model_parts[s], mesh)
-    plan_rank = plan.grid.rank(pp_rank, mesh.get_local_rank()) if mesh is not None else pp_rank
+    plan_rank = plan.grid.rank(pp_rank, mesh.get_local_rank(mesh.ndim - 1)) if mesh is not None else pp_rank
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["zero_level", "check_parallelism", "withhold_fsdp", "check_withheld", "shard_faces", "shard_mesh",
            "plan_replicas"]
@@ -46,22 +46,17 @@ def zero_level(parallelism, options, shard_degree: int) -> int | None:
 
 
 def check_parallelism(parallel_dims) -> None:
-    """The meshes Piper's engine runs: pp x dp_shard (ZeRO) or pp x dp_replicate."""
+    """The meshes Piper's engine runs: pp x dp_shard (ZeRO), pp x dp_replicate, or both (HSDP:
+    ZeRO over each replica's shards, the gradients summed over the replicas)."""
     unsupported = [(flag, degree) for flag, degree in (
         ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp),
         ("expert_parallel_degree", parallel_dims.ep)) if degree > 1]
     if unsupported:
         flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
         raise ValueError(f"{flags}: the Piper engine runs pipeline x data parallelism (ZeRO over "
-                         f"data_parallel_shard_degree, or data_parallel_replicate_degree); set "
+                         f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree); set "
                          f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
                          f"--parallelism.pipeline_engine torch")
-    if parallel_dims.dp_shard > 1 and parallel_dims.dp_replicate > 1:
-        raise ValueError(f"--parallelism.data_parallel_replicate_degree {parallel_dims.dp_replicate} with "
-                         f"--parallelism.data_parallel_shard_degree {parallel_dims.dp_shard}: the Piper engine "
-                         f"shards over one data-parallel axis; set the replicate degree to 1 (ZeRO over all "
-                         f"{parallel_dims.dp_replicate * parallel_dims.dp_shard} data-parallel ranks: shard degree "
-                         f"{parallel_dims.dp_replicate * parallel_dims.dp_shard})")
 
 
 @contextlib.contextmanager
@@ -113,9 +108,11 @@ def check_withheld(calls: list[dict[str, Any]], training: Any, part: nn.Module,
 
 def shard_faces(part: nn.Module, mesh) -> None:
     """Register every parameter of ``part`` (on the meta device) as a DTensor face sharded
-    ``Shard(0)`` over ``mesh``, with the local shape FSDP2 gives it (rows cut like
-    ``torch.chunk``), so initialising the part fills exactly this rank's rows."""
-    n, me = mesh.size(), mesh.get_local_rank()
+    ``Shard(0)`` over ``mesh``'s last dimension (replicated over the others: HSDP), with the
+    local shape FSDP2 gives it (rows cut like ``torch.chunk``), so initialising the part fills
+    exactly this rank's rows."""
+    n, me = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     faces: dict[int, nn.Parameter] = {}
     for module in part.modules():
         for name, p in list(module._parameters.items()):
@@ -127,27 +124,33 @@ def shard_faces(part: nn.Module, mesh) -> None:
                 chunk = -(-rows // n)
                 mine = max(0, min(chunk, rows - me * chunk))
                 local = torch.empty((mine, *p.shape[1:]) if p.dim() else (mine,), dtype=p.dtype, device=p.device)
-                face = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape,
+                face = nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
                                                        stride=p.stride()), requires_grad=p.requires_grad)
                 faces[id(p)] = face
             module._parameters[name] = face
 
 
 def shard_mesh(parallel_dims):
-    """TorchTitan's data-parallel shard mesh (flattened ``fsdp`` in its legacy backend,
-    ``dp_shard`` in the SPMD ones, where asking for ``fsdp`` raises)."""
+    """TorchTitan's data-parallel mesh that FSDP would shard over: ``fsdp`` (``dp_shard`` in
+    the SPMD backends, where asking for ``fsdp`` raises), as (``dp_replicate``, that) with
+    replicas (HSDP's 2-D mesh)."""
     try:
-        mesh = parallel_dims.get_optional_mesh("fsdp")
+        shard = "fsdp" if parallel_dims.get_optional_mesh("fsdp") is not None else "dp_shard"
     except ValueError:
-        mesh = None
-    return mesh if mesh is not None else parallel_dims.get_mesh("dp_shard")
+        shard = "dp_shard"
+    if parallel_dims.dp_replicate > 1:
+        return parallel_dims.get_mesh(["dp_replicate", shard])
+    return parallel_dims.get_mesh(shard)
 
 
 def plan_replicas(parallel_dims, mesh, grid) -> list[list[int]]:
-    """Process rank of every plan rank (one replica): plan rank ``grid.rank(pp, d)`` is the
-    process at pipeline rank ``pp`` and shard ``mesh`` rank ``d`` (a collective)."""
-    mine = (parallel_dims.get_mesh("pp").get_local_rank(), mesh.get_local_rank())
+    """Process rank of every plan rank, per replica (a collective): plan rank ``grid.rank(pp, d)``
+    of replica ``i`` is the process at pipeline rank ``pp``, shard rank ``d`` (``mesh``'s last
+    dimension) and replicate rank ``i``."""
+    replica = mesh.get_local_rank(0) if mesh.ndim > 1 else 0
+    mine = (replica, parallel_dims.get_mesh("pp").get_local_rank(), mesh.get_local_rank(mesh.ndim - 1))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     where = {coords: process for process, coords in enumerate(everyone)}
-    return [[where[grid.coords(r)[:2]] for r in range(grid.world_size)]]
+    return [[where[(i, *grid.coords(r)[:2])] for r in range(grid.world_size)]
+            for i in range(parallel_dims.dp_replicate)]

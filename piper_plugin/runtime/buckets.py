@@ -314,9 +314,30 @@ class FlatBucket:
         else:
             self.shard_grad.add_(grads)
             self.seen |= flags.cpu() > 0
+        self._point_shard_grads()
+
+    def _point_shard_grads(self) -> None:
         for shard, start, seen in zip(self.shards, self._starts, self.seen.tolist()):
             shard.grad = (self.shard_grad[start:start + shard.numel()].view_as(shard)
                           if seen and shard.requires_grad else None)
+
+    def sum_over_replicas(self, all_reduce) -> None:
+        """Sum this step's reduced gradient with the other replicas' of the plan (``all_reduce``
+        in place over one plan rank's copies: data parallelism around Piper's own), flags
+        included, so a parameter with a gradient in any replica has one in all. The same
+        call on every replica: whether a bucket has a gradient follows the plan alone."""
+        if self.zero == 0:
+            reduced = self.flat_grad(take=True)
+            all_reduce(reduced)
+            self.set_grad(reduced)
+            return
+        if self.shard_grad is None:  # no reduce-scatter ran (the plan's, so on every replica alike)
+            return
+        both = torch.cat([self.shard_grad, self.seen.to(self.shard_grad)])
+        all_reduce(both)
+        self.shard_grad.copy_(both[:self.shard_numel])
+        self.seen = both[self.shard_numel:].cpu() > 0
+        self._point_shard_grads()
 
     def step_done(self) -> None:
         """The optimizer stepped: the next step's gradients start from nothing."""

@@ -5,10 +5,11 @@ P2P direction and replica pair (``p2p:a>b`` for the ranks sharing dp/ep coordina
 per (logical stream, axis, member set) of the collectives. A communicator therefore belongs to
 exactly one logical stream, so streams running on their own threads never share one.
 
-A host framework may run the same plan once per data-parallel replica (its own wrapper reduces
-the gradients): ``replicas[i][r]`` is then the process rank of plan rank ``r`` in replica ``i``.
-Every process creates every replica's communicators (in replica order), keeps its own, and
-addresses peers by process rank; plan ranks stay what the plan, its state and its streams use.
+A host framework may run the same plan once per data-parallel replica: ``replicas[i][r]`` is
+then the process rank of plan rank ``r`` in replica ``i``. Every process creates every replica's
+communicators (in replica order), keeps its own, and addresses peers by process rank; plan
+ranks stay what the plan, its state and its streams use. ``replica_group`` joins one plan
+rank's copies across the replicas (ZeRO shards' gradients are summed over it after a step).
 """
 from __future__ import annotations
 
@@ -86,6 +87,14 @@ class DistComm:
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
                 if replica is mine[0] and rank in ranks:
                     self.groups[(stream, ranks)] = group
+        # each plan rank's copies across the replicas: the host's data parallelism around the plan's
+        self.replica_group: dist.ProcessGroup | None = None
+        if len(replicas) > 1:
+            for r in range(world):
+                group = dist.new_group([replica[r] for replica in replicas], timeout=timeout,
+                                       use_local_synchronization=False)
+                if r == rank:
+                    self.replica_group = group
         self._bucket_groups = {(node.region, node.bucket): self._group(node)[1] for node in plan.dag.nodes.values()
                                if node.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and rank in node.devices}
         for region, axis, devices in block_regions(plan):

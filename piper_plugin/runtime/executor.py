@@ -137,6 +137,11 @@ class Executor:
         self.state.meter.track_saved = config.track_saved_memory
         self.device = self.state.device
         replicas = [list(r) for r in config.replicas] if config.replicas else None
+        if replicas and len(replicas) > 1 and optimizer_fn is not None and any(
+                b.n > 1 for b in self.state.buckets.values()):
+            raise ValueError("replicas of a plan that replicates regions sum their gradients after the step: "
+                             "the host steps the optimizer (optimizer_fn=None), or run one replica with a "
+                             "data-parallel degree covering all")
         check_plan_hash(plan, replicas=len(replicas) if replicas else 1)
         self.comm = DistComm(plan, rank, self.specs, config.timeout_s, self.device, replicas=replicas)
         self._install_blocks(config.timeout_s)
@@ -191,12 +196,22 @@ class Executor:
         try:
             self.runner.run_step()
             self.comm.wait_sends()
+            if self.comm.replica_group is not None:
+                self._sum_over_replicas()
         finally:
             self._compute_context = None
             state.inputs = {}  # the step's inputs are let go with it
             if self.faces is not None:
                 self.faces.faces_in()
         return list(state.losses)
+
+    def _sum_over_replicas(self) -> None:
+        """The plan's reduced gradients summed over its replicas, bucket by bucket in one order
+        on every rank (buckets of one member only: the host's own wrapper reduces those)."""
+        group = self.comm.replica_group
+        for _, bucket in sorted(self.state.buckets.items()):
+            if bucket.n > 1:
+                bucket.sum_over_replicas(lambda t: dist.all_reduce(t, group=group))
 
     def _faces_out(self) -> None:
         """Before a step under a host optimizer over faces: the host stepped the shards since the

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from piper_plugin.runtime.buckets import FlatBucket
 
@@ -49,9 +49,10 @@ def unwrap_faces(model: nn.Module) -> dict[int, nn.Parameter]:
         if not isinstance(face, DTensor):
             continue
         placements = tuple(face.placements)
-        if placements != (Shard(0),) * len(placements):
+        if placements != (Replicate(),) * (len(placements) - 1) + (Shard(0),):
             raise ValueError(f"parameter {slots[0][1]!r} of {type(slots[0][0]).__name__} is a DTensor placed "
-                             f"{placements}; Piper takes over parameters sharded Shard(0) (FSDP2's layout) only")
+                             f"{placements}; Piper takes over parameters sharded Shard(0) over the last mesh "
+                             f"dimension, replicated over any others (FSDP2's and HSDP's layouts) only")
         with torch.no_grad():
             whole = nn.Parameter(face.full_tensor().clone(), requires_grad=face.requires_grad)
         for module, name in slots:
@@ -79,10 +80,10 @@ class HostFaces:
                                                            shape=p.shape, stride=p.stride()),
                                         requires_grad=p.requires_grad)
                 else:
-                    mesh = face.device_mesh
-                    if mesh.size() != bucket.n or mesh.get_local_rank() != bucket.index:
+                    mesh, dim = face.device_mesh, face.device_mesh.ndim - 1  # sharded over the last dimension
+                    if mesh.size(dim) != bucket.n or mesh.get_local_rank(dim) != bucket.index:
                         raise ValueError(f"a host-sharded parameter of shape {tuple(p.shape)} lives on a mesh of "
-                                         f"{mesh.size()} ranks where this rank is {mesh.get_local_rank()}, but "
+                                         f"{mesh.size(dim)} ranks where this rank is {mesh.get_local_rank(dim)}, but "
                                          f"Piper's plan shards it {bucket.n} ways with this rank as member "
                                          f"{bucket.index}: give the plan the host's data-parallel ranks in mesh order")
                     face._local_tensor.data = shard.detach()  # the host's updates land in Piper's shard
