@@ -56,7 +56,7 @@ def test_simulated_memory_matches_the_measured_peak(tmp_path):
     :func:`cpu.return_freed_buffers`), so the RSS sees them come and go."""
     from benchmarks.zero_memory import simulated_over_measured
 
-    steps = 3
+    steps = 2  # the second: the optimizer's state exists from its start, as in every later one
     for zero in (0, 1, 2, 3):
         run = _run(tmp_path, f"memory{zero}", "llama3_debugmodel_pp2_1f1b", "piper",
                    ["--piper.zero", str(zero), "--piper.memory_split", "--training.local_batch_size", "8",
@@ -100,15 +100,13 @@ def test_zero_over_replicas_of_shards_matches_torchtitan_hsdp(tmp_path):
     """``data_parallel_replicate_degree 2`` x ``data_parallel_shard_degree 2`` x pp 2 (8 ranks):
     Piper's ZeRO over each replica's shard pair, the shards' gradients summed over the replicas
     after the step, against TorchTitan's HSDP (FSDP over the shards, replicated) on the same
-    config and seed."""
+    config and seed (ZeRO-1's replica sum: ``test_zero3_buckets.py``)."""
     config, steps = "llama3_debugmodel_pp2_1f1b", 5
     extra = ["--parallelism.data_parallel_replicate_degree", "2"]
     hsdp = _run(tmp_path, "torch-hsdp", config, "torch", extra, steps=steps, nproc=8)
-    for zero in (1, 3):
-        piper = _run(tmp_path, f"piper-hsdp{zero}", config, "piper", [*extra, "--piper.zero", str(zero)],
-                     steps=steps, nproc=8)
-        assert f"x ZeRO-{zero} over 2 data-parallel ranks x 2 data-parallel replicas" in piper.log, piper.tail()
-        _assert_parity(hsdp, piper)
+    piper = _run(tmp_path, "piper-hsdp", config, "piper", extra, steps=steps, nproc=8)
+    assert "x ZeRO-3 over 2 data-parallel ranks x 2 data-parallel replicas" in piper.log, piper.tail()
+    _assert_parity(hsdp, piper)
 
 
 def test_checkpoints_cross_between_piper_zero3_and_torchtitan_fsdp(tmp_path):
