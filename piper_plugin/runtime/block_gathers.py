@@ -42,7 +42,6 @@ from piper_plugin.runtime.group_collectives import GroupCollectives
 __all__ = ["BlockGathers"]
 
 
-
 class BlockGathers:
     """The blocks of one region on this rank: ``modules[k]`` runs with ``buckets[k]``'s
     parameters. ``meter`` counts materialized buckets and reductions in flight; ``lock`` is the

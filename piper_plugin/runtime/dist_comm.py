@@ -30,7 +30,6 @@ from piper_plugin.scheduler.plan import Plan
 __all__ = ["DistComm", "communicator_specs", "block_regions"]
 
 
-
 def communicator_specs(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
     """(stream, ranks) of every communicator the plan needs, in one deterministic order."""
     grid, dag = plan.grid, plan.dag
@@ -81,7 +80,7 @@ class DistComm:
         self._sends_lock = threading.Lock()  # sends go out from several streams' threads
         timeout = timedelta(seconds=timeout_s)
         self.wait_limit = None if device.type == "cuda" else timeout  # NCCL's watchdog bounds GPU waits
-        self._ops: dict[tuple[int, ...], GroupCollectives] = {}
+        self._ops: dict[tuple[str, tuple[int, ...]], GroupCollectives] = {}  # per communicator
         for replica in replicas:
             for stream, ranks in communicator_specs(plan):
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)

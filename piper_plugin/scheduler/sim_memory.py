@@ -3,11 +3,12 @@
 Activations, gathered ZeRO-3 buckets, per-microbatch gradients awaiting a reduce-scatter (from
 the end of the backward that hands them over) and received buffers (from their post,
 :mod:`.posting`) are held until their last local consumer finishes. A bucket's collective holds
-the buffers it allocates while it runs (:func:`_collective_bytes`). A bucket gathered for several microbatches at once is one copy (as in the runtime,
-which counts references to it). A backward task also holds its region's working memory while
-it runs (``Region.backward``, as the runtime runs that task: whole, or split in input and
-weight passes), and an input-gradient pass leaves what it recorded for the weight pass until
-that one finishes. Sent messages are held as :class:`TransientMemory` says.
+the buffers it allocates while it runs (:func:`_collective_bytes`). A bucket gathered for several
+microbatches at once is one copy (as in the runtime, which counts references to it). A backward
+task also holds its region's working memory while it runs (``Region.backward``, as the runtime
+runs that task: whole, or split in input and weight passes), and an input-gradient pass leaves
+what it recorded for the weight pass until that one finishes. Sent messages are held as
+:class:`TransientMemory` says.
 
 ZeRO by block (buckets reduced, and at ZeRO-3 gathered, inside a chunk,
 :mod:`piper_plugin.runtime.block_gathers`): at ZeRO-3 a forward holds two blocks' parameters (the
