@@ -3,10 +3,12 @@
 Each cell is a real ``torchtitan.train`` job on 4 ranks (pipeline 2 x
 ``data_parallel_shard_degree`` 2) under the Piper engine with ``--piper.zero L`` and a pipeline
 schedule, compared with one job of TorchTitan's own engine with FSDP on the same config, seed,
-data and batch: its 1F1B run. A schedule never changes the result, so one reference per model
-serves every schedule (TorchTitan's own DualPipeV is not one: with the chunked loss it drops a
-gradient, docs/torchtitan.md). Per cell: the worst relative difference over the steps of the
-loss and of the grad norm (both as TorchTitan logs them), and whether both are within the
+data, batch and schedule (the schedule decides the stage split, hence how the seed initialises
+the weights). For DualPipeV the reference is TorchTitan's with ``fsdp_reshard_after_forward
+never``, and llama3 runs its plain cross-entropy config: TorchTitan's own DualPipeV drops a
+gradient with the chunked loss and changes the gradients with reshard ``always``
+(docs/torchtitan.md). Per cell: the worst relative difference over the steps of the loss and of
+the grad norm (both as TorchTitan logs them: 5 and 4 decimals), and whether both are within the
 tolerance. Too long for the test suite (about 20 jobs); ``tests/test_torchtitan_zero.py`` runs a
 subset of the cells.
 
@@ -29,6 +31,19 @@ from benchmarks._common import code_version, command_line, markdown_table, write
 
 MODELS = {"llama3": ("llama3_debugmodel_pp2_1f1b", 4), "deepseek_v3": ("deepseek_v3_debugmodel_pp2_1f1b", 2)}
 SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV")
+
+
+def cell_config(model: str, schedule: str) -> tuple[str, list[str], list[str]]:
+    """(config, flags, trailing subcommand flags) of one model and schedule, for both engines."""
+    config, _ = MODELS[model]
+    flags = ["--parallelism.pipeline_parallel_schedule", schedule]
+    if schedule != "DualPipeV":
+        return config, flags, []
+    flags += ["--parallelism.fsdp_reshard_after_forward", "never"]
+    if model == "llama3":
+        return "llama3_debugmodel_ce_loss", [*flags, "--parallelism.pipeline_parallel_degree", "2"], \
+            ["activation-checkpoint:none"]
+    return config, flags, []
 
 
 def worst_relative(reference: dict[int, float], run: dict[int, float]) -> float:
@@ -56,24 +71,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="zero_parity_") as tmp:
         for model in args.models:
-            config, batch = MODELS[model]
-            base = ["--debug.seed", "42", "--training.seq_len", "32", "--training.local_batch_size", str(batch),
-                    "--parallelism.data_parallel_shard_degree", "2"]
-            reference = run_titan(config, "torch", dump_folder=Path(tmp) / f"{model}-torch", nproc=4,
-                                  steps=args.steps, extra=base, timeout_s=1200)
-            if not reference.ok:
-                raise SystemExit(f"{model}: TorchTitan's run failed:\n{reference.tail()}")
+            base = ["--debug.seed", "42", "--training.seq_len", "32", "--training.local_batch_size",
+                    str(MODELS[model][1]), "--parallelism.data_parallel_shard_degree", "2"]
             for schedule in args.schedules:
+                config, flags, tail = cell_config(model, schedule)
+                reference = run_titan(config, "torch", dump_folder=Path(tmp) / f"{model}-{schedule}-torch", nproc=4,
+                                      steps=args.steps, extra=[*base, *flags, *tail], timeout_s=1200)
                 for zero in args.zero:
                     run = run_titan(config, "piper", dump_folder=Path(tmp) / f"{model}-{schedule}-{zero}", nproc=4,
                                     steps=args.steps, timeout_s=1200,
-                                    extra=[*base, "--parallelism.pipeline_parallel_schedule", schedule,
-                                           "--piper.zero", str(zero)])
-                    loss = worst_relative(reference.losses, run.losses) if run.ok else float("inf")
-                    norm = worst_relative(reference.grad_norms, run.grad_norms) if run.ok else float("inf")
+                                    extra=[*base, *flags, "--piper.zero", str(zero), *tail])
+                    ok = reference.ok and run.ok
+                    loss = worst_relative(reference.losses, run.losses) if ok else float("inf")
+                    norm = worst_relative(reference.grad_norms, run.grad_norms) if ok else float("inf")
+                    failed = reference if not reference.ok else run
                     row = dict(model=model, schedule=schedule, zero=zero, loss=loss, grad_norm=norm,
-                               ok=run.ok and max(loss, norm) <= args.tolerance,
-                               error="" if run.ok else run.tail().strip().splitlines()[-1][:160])
+                               ok=ok and max(loss, norm) <= args.tolerance,
+                               error="" if ok else failed.tail().strip().splitlines()[-1][:160])
                     rows.append(row)
                     print(f"{model} {schedule} ZeRO-{zero}: loss {loss:.2e} grad norm {norm:.2e} "
                           f"{'ok' if row['ok'] else 'FAIL ' + row['error']}", flush=True)
@@ -85,9 +99,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         f"Command: `{command_line('zero_parity', args, parser)}`  \n"
         f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, gloo, 4 ranks "
         f"started by torchrun with 1 torch thread each; {version}\n\n"
-        f"Worst relative difference over {args.steps} steps from TorchTitan's own engine with FSDP (its 1F1B "
-        f"run of the same config, seed and data; pp 2 x data_parallel_shard_degree 2), tolerance "
-        f"{args.tolerance:g}.\n\n{table}\n"))
+        f"Worst relative difference over {args.steps} steps from TorchTitan's own engine with FSDP on the "
+        f"same config, seed, data and schedule (pp 2 x data_parallel_shard_degree 2; DualPipeV: TorchTitan "
+        f"with reshard `never`, llama3 with plain cross-entropy), as TorchTitan logs them (loss 5 decimals, "
+        f"grad norm 4), tolerance {args.tolerance:g}.\n\n{table}\n"))
     return rows
 
 
