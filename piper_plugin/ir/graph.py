@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator
 from piper_plugin.ir.meta import DagMeta
 from piper_plugin.ir.nodes import Node
 
-__all__ = ["DAG", "Region", "BackwardBytes", "Rise", "Bucket", "CycleError", "gc_paused"]
+__all__ = ["DAG", "Region", "BackwardBytes", "Rise", "Bucket", "CycleError", "gc_paused", "rows_split_evenly"]
 
 
 @contextmanager
@@ -121,6 +121,12 @@ class Bucket:
     group: tuple[int, ...]
     zero: int
     block: str | None = None
+
+
+def rows_split_evenly(shapes, n: int) -> bool:
+    """Every parameter (by shape) has rows and as many per member of ``n``: a ZeRO bucket's
+    rank-major layout is then each parameter's own, and its collectives need no layout copy."""
+    return all(len(shape) and shape[0] % n == 0 for shape in shapes)
 
 
 @dataclass

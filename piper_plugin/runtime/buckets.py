@@ -33,6 +33,8 @@ from itertools import accumulate
 import torch
 import torch.nn as nn
 
+from piper_plugin.ir.graph import rows_split_evenly
+
 __all__ = ["FlatBucket", "add_in_member_order", "then_last"]
 
 
@@ -70,7 +72,7 @@ class FlatBucket:
         # every parameter's rows split evenly over the members: its rank-major layout is its own,
         # so collectives can run per parameter straight on ``flat`` and ``.grad`` with no layout
         # copy (:meth:`gather_in_place`, :meth:`reduce_in_place`)
-        self.in_place = all(p.dim() and r % self.n == 0 for p, r in zip(params, self.rows))
+        self.in_place = rows_split_evenly([p.shape for p in params], self.n)
         self._offsets = list(accumulate((p.numel() for p in params[:-1]), initial=0))  # parameter-major
         self._starts = list(accumulate(self.segments[:-1], initial=0))  # within a member's block
         dtype = params[0].dtype

@@ -81,6 +81,7 @@ class DistComm:
         timeout = timedelta(seconds=timeout_s)
         self.wait_limit = None if device.type == "cuda" else timeout  # NCCL's watchdog bounds GPU waits
         self._ops: dict[tuple[str, tuple[int, ...]], GroupCollectives] = {}  # per communicator
+        self._bucket_ops: dict[tuple[str, int], GroupCollectives] = {}  # per bucket, outside the plan
         for replica in replicas:
             for stream, ranks in communicator_specs(plan):
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
@@ -144,9 +145,14 @@ class DistComm:
     def gather_bucket(self, key: tuple[str, int], bucket) -> None:
         """Gather bucket ``key``'s whole parameters into ``bucket`` (a :class:`FlatBucket`) over
         its group, outside the plan (a host's step or an eval; every member calls it in the same
-        bucket order). On gloo as pairwise exchanges, in place where its rows split evenly."""
-        group = self._bucket_groups[key]
-        ops = GroupCollectives(group, bucket.index, bucket.n)
+        bucket order)."""
+        if key not in self._bucket_ops:
+            self._bucket_ops[key] = GroupCollectives(self._bucket_groups[key], bucket.index, bucket.n)
+        self._gather_into(self._bucket_ops[key], bucket)
+
+    def _gather_into(self, ops: GroupCollectives, bucket) -> None:
+        """``bucket``'s whole parameters from every member's shard: on gloo as pairwise exchanges
+        straight into them where its rows split evenly, else through one rank-major buffer."""
         if ops.pairwise and bucket.in_place:
             works, _ = ops.gather_bucket(bucket)
             ops.finish(works, self.wait_limit)
@@ -172,16 +178,11 @@ class DistComm:
         gradients and into the parameters where the bucket's rows split evenly, else through
         one rank-major buffer; no copy of the payload inside the backend."""
         bucket = state.buckets[(node.region, node.bucket)]
-        if node.kind == Kind.ALL_GATHER and bucket.in_place:
-            works, _ = ops.gather_bucket(bucket)
-            ops.finish(works, self.wait_limit)
+        if node.kind == Kind.ALL_GATHER:  # the step's: ZeRO-1/2 parameters anew from the stepped shards
+            self._gather_into(ops, bucket)
             state.finished(node.key)
             return
-        if node.kind == Kind.ALL_GATHER:
-            sources = comm_ops.payload(state, node).contiguous()
-            out = sources.new_empty(sources.numel() * ops.n)
-            works = ops.gather(out, sources)
-        elif node.phase == "step" and bucket.in_place:
+        if node.phase == "step" and bucket.in_place:
             works, out, sources = ops.reduce_bucket(bucket)
         else:
             sources = comm_ops.payload(state, node).contiguous()  # a microbatch's handed-over gradient, or the step's

@@ -19,6 +19,7 @@ wait); at ZeRO-2 a backward holds two blocks' gradients; a weight pass two at ei
 """
 from __future__ import annotations
 
+from piper_plugin.ir.graph import rows_split_evenly
 from piper_plugin.ir.nodes import Kind
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import post_times
@@ -231,8 +232,7 @@ def _collective_bytes(plan: Plan, node) -> int:
     n = len(next(iter(plan.grid.groups(node.axis, node.devices))))
     full = bucket.numel * 4
     w = -(-full // n)
-    shapes = dag.meta.param_shapes
-    even = all(len(shapes.get(p, ())) and shapes[p][0] % n == 0 for p in bucket.params)
+    even = rows_split_evenly([dag.meta.param_shapes.get(p, ()) for p in bucket.params], n)
     if node.kind == Kind.ALL_REDUCE:
         return full
     if node.kind == Kind.REDUCE_SCATTER:
