@@ -79,6 +79,20 @@ def test_the_wide_base_config_is_reachable_and_parameter_heavy():
     assert model.tok_embeddings.embedding_dim == 1024 and model.lm_head.in_features == 1024
 
 
+def test_the_deepseek_base_with_plain_cross_entropy_is_reachable():
+    """DualPipeV parity needs plain cross-entropy: TorchTitan's engine drops the chunked loss's
+    norm.weight gradient of a split last-stage backward (benchmarks.zero_parity uses this base)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    assert unknown("deepseek_v3_debugmodel_ce_loss_pp2_dp2_zero3_dualpipev") == ""
+    stock = config_registry.deepseek_v3_debugmodel()
+    config = config_registry.deepseek_v3_debugmodel_ce_loss_pp2_dp2_zero3_dualpipev()
+    assert isinstance(stock.loss, ChunkedLossWrapper.Config)
+    assert type(config.loss) is CrossEntropyLoss.Config
+    assert (config.model_spec.name, config.model_spec.flavor) == (stock.model_spec.name, stock.model_spec.flavor)
+    assert config.parallelism.pipeline_parallel_schedule == "DualPipeV" and config.piper.zero == 3
+
+
 def test_the_memory_split_counts_each_storage_once():
     """--piper.memory_split: parameters, gradients and optimizer state from live tensors; a
     parameter viewing a larger buffer counts the buffer (a ZeRO-1/2 bucket holds it whole)."""

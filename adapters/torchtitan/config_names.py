@@ -22,7 +22,7 @@ __all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "drop_in",
 # The model packages searched for stock config functions, in this order.
 MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
 # Piper's own base configs (variants of a stock one), usable wherever a stock config name is.
-BASES = {"llama3_widemodel": "llama3"}
+BASES = {"llama3_widemodel": "llama3", "deepseek_v3_debugmodel_ce_loss": "deepseek_v3"}
 # ``<stock config>_pp2_<schedule>``: any stock config as a 2-rank pipeline run by Piper.
 SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "dualpipev": "DualPipeV"}
 DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")

@@ -57,7 +57,21 @@ def _llama3_widemodel() -> object:
     return config
 
 
-_BASES = {"llama3_widemodel": _llama3_widemodel}
+def _deepseek_v3_debugmodel_ce_loss() -> object:
+    """TorchTitan's ``deepseek_v3_debugmodel`` with plain cross-entropy instead of its chunked loss
+    (as TorchTitan's own ``llama3_debugmodel_ce_loss``): under a split backward (DualPipeV,
+    ZBVZeroBubble) TorchTitan's engine drops the chunked loss's ``norm.weight`` gradient of the
+    microbatches whose last-stage backward is split (docs/torchtitan.md), so parity against it
+    needs this loss."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+
+    config = _stock_config_fn("deepseek_v3_debugmodel")()
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
+    return config
+
+
+_BASES = {"llama3_widemodel": _llama3_widemodel, "deepseek_v3_debugmodel_ce_loss": _deepseek_v3_debugmodel_ce_loss}
 
 
 def _stock_config_fn(name: str) -> Callable[[], object]:
