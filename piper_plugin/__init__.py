@@ -21,11 +21,13 @@ nothing else from the engine.
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
   :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces;
   :class:`ParamList` is what an ``optimizer_fn`` receives (the parameters, ``.named()``);
-  :class:`MemoryMeter` is the CPU memory meter an executor's state keeps
+  :class:`MemoryMeter` is the CPU memory meter an executor's state keeps; a host's model code
+  hands values off the rank (an expert all-to-all) with :func:`hand_off` inside a
+  :class:`PausedForward`, whose pieces become regions of their own
 - Piper's own launchers: :class:`Job`, a rank of one (:class:`Worker`), :func:`run` ->
   :class:`RunResult`; :func:`start_ray`
 - errors a caller handles: :class:`UsageError`, :class:`CaptureError`, :class:`PlanError`,
-  :class:`PlanMismatch`, :class:`WorkerFailed`
+  :class:`PlanMismatch`, :class:`WorkerFailed`, :class:`HandOffError`
 """
 from piper_plugin.api.annotate import annotate, annotate_modules
 from piper_plugin.api.errors import DirectiveError
@@ -39,6 +41,7 @@ from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
 from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch, check_plan_hash
 from piper_plugin.runtime.pieces import stitch
+from piper_plugin.runtime.paused_forward import HandOffError, PausedForward, hand_off
 from piper_plugin.runtime.optimizers import ParamList
 from piper_plugin.runtime.value_specs import ValueSpec, probe_values
 from piper_plugin.runtime.job import Job
@@ -58,6 +61,7 @@ __all__ = [
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
     "measured_result", "measured_costs",
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
+    "PausedForward", "hand_off", "HandOffError",
     "Job", "Worker", "run", "RunResult", "start_ray",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

@@ -61,7 +61,6 @@ def _dims(**degrees):
 @pytest.mark.parametrize("degrees, flag", [
     ({"tp": 2}, "--parallelism.tensor_parallel_degree 2"),
     ({"cp": 2}, "--parallelism.context_parallel_degree 2"),
-    ({"ep": 2}, "--parallelism.expert_parallel_degree 2"),
 ])
 def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):
     with pytest.raises(ValueError, match=flag.replace(".", r"\.")) as info:
@@ -69,6 +68,26 @@ def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):
     assert "pipeline_engine torch" in str(info.value)
     check_parallelism(_dims())  # pp x dp_shard runs
     check_parallelism(_dims(dp_replicate=2))  # and replicas of it
+
+
+def test_expert_parallelism_runs_over_the_whole_shard_group_with_zero_0_to_2():
+    check_parallelism(_dims(ep=2), zero=2)
+    with pytest.raises(ValueError, match=r"--parallelism.expert_parallel_degree 2 with data_parallel_shard_degree 4"
+                                         r".*set --parallelism.expert_parallel_degree 4"):
+        check_parallelism(_dims(ep=2, dp_shard=4), zero=2)
+    with pytest.raises(ValueError, match=r"with ZeRO-3 .* add --piper.zero 2"):
+        check_parallelism(_dims(ep=2), zero=3)
+    with pytest.raises(ValueError, match=r"pipeline_engine alternate"):
+        check_parallelism(_dims(ep=2), zero=2, alternate=True)
+
+
+def test_expert_parallel_drop_ins_are_reachable():
+    assert unknown("deepseek_v3_debugmodel_pp2_ep2_dualpipev") == ""
+    config = config_registry.deepseek_v3_debugmodel_pp2_ep2_dualpipev()
+    par = config.parallelism
+    assert (par.pipeline_parallel_degree, par.data_parallel_shard_degree, par.expert_parallel_degree) == (2, 2, 2)
+    assert par.pipeline_parallel_schedule == "DualPipeV" and config.piper.zero == 2
+    assert drop_in("deepseek_v3_debugmodel_pp2_ep2_1f1b") is None
 
 
 def test_the_wide_base_config_is_reachable_and_parameter_heavy():

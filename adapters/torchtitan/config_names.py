@@ -17,7 +17,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "drop_in", "stock_configs", "unknown"]
+__all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "EP_DROP_IN", "drop_in", "ep_drop_in",
+           "stock_configs", "unknown"]
 
 # The model packages searched for stock config functions, in this order.
 MODELS = ("llama3", "deepseek_v3", "qwen3", "qwen3_5", "gpt_oss", "kimi_k2_7", "flux", "muse_glimmer")
@@ -30,8 +31,20 @@ DROP_IN = re.compile(r"(.+)_pp2_(" + "|".join(SCHEDULES) + ")")
 ZERO_DROP_IN = re.compile(r"(.+)_pp2_dp2_zero([123])(?:_(" + "|".join(SCHEDULES) + "))?")
 
 
+# ``<stock config>_pp2_ep2_<schedule>``: 2 pipeline x 2 ranks whose experts are split over them.
+EP_DROP_IN = re.compile(r"(.+)_pp2_ep2_(" + "|".join(SCHEDULES) + ")")
+
+
+def ep_drop_in(name: str) -> tuple[str, str] | None:
+    """(stock config, schedule key) of an expert-parallel drop-in name; None for other names."""
+    found = EP_DROP_IN.fullmatch(name)
+    return (found[1], found[2]) if found else None
+
+
 def drop_in(name: str) -> tuple[str, str, int | None] | None:
     """(stock config, schedule key, ZeRO level or None) of a drop-in name; None for other names."""
+    if ep_drop_in(name):
+        return None
     zero = ZERO_DROP_IN.fullmatch(name)
     if zero:
         return zero[1], zero[3] or "1f1b", int(zero[2])
@@ -68,7 +81,7 @@ def unknown(name: str) -> str:
     every = [n for names in stock.values() for n in names] + list(BASES)
     if not stock or name in every:
         return ""
-    parsed = drop_in(name)
+    parsed = drop_in(name) or ep_drop_in(name)
     if parsed and parsed[0] in every:
         return ""
     if parsed:
@@ -83,4 +96,5 @@ def unknown(name: str) -> str:
             f"<stock>_pp2_<schedule> with schedule {', '.join(SCHEDULES)} (2 pipeline ranks run by Piper; "
             f"stock configs without tied embeddings), e.g. llama3_debugmodel_pp2_1f1b, deepseek_v3_debugmodel_pp2_1f1b; "
             f"<stock>_pp2_dp2_zero<1|2|3>[_<schedule>] (4 ranks: 2 pipeline x 2 data-parallel with Piper's ZeRO), "
-            f"e.g. llama3_debugmodel_pp2_dp2_zero3")
+            f"e.g. llama3_debugmodel_pp2_dp2_zero3; <stock MoE>_pp2_ep2_<schedule> (4 ranks: 2 pipeline x 2 with the "
+            f"experts split over them), e.g. deepseek_v3_debugmodel_pp2_ep2_dualpipev")

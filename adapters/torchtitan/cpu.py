@@ -11,6 +11,8 @@ HOST_FRAMEWORKS.md); none edits a TorchTitan file:
   tree for ``CpuAttention``, TorchTitan's SDPA plus sliding windows and the ``out_transform``
   (attention sink) epilogue (Flex has no CPU backward, Varlen is CUDA only; causal over the
   whole sequence, not per document);
+* ``uneven_all_to_all_on_gloo`` lets expert-parallel token dispatch send each peer its own
+  number of tokens (gloo's list ``all_to_all`` wants equal chunks);
 * ``offline_assets`` points the tokenizer and the data loader at the BPE tokenizer and corpus
   shipped in ``piper_plugin/data/assets`` (registered as the dataset ``piper_corpus``).
 """
@@ -28,7 +30,7 @@ import torch
 
 __all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "return_freed_buffers",
            "use_sdpa_attention", "offline_assets", "register_dataset", "apply_cpu_fixes", "on_cpu",
-           "peak_rss_bytes", "status_bytes", "reset_peak_rss", "cpu_attention"]
+           "peak_rss_bytes", "status_bytes", "reset_peak_rss", "cpu_attention", "uneven_all_to_all_on_gloo"]
 
 import piper_plugin as _piper
 
@@ -149,6 +151,7 @@ def use_cpu_device() -> None:
     """Make TorchTitan pick device "cpu" (backend gloo) wherever it bound the device at import,
     and have freed large buffers go back to the system (:func:`return_freed_buffers`)."""
     return_freed_buffers()
+    uneven_all_to_all_on_gloo()
     module = _cpu_device_module()
     for name in _DEVICE_MODULES:
         try:
@@ -306,6 +309,41 @@ def sum_reductions_on_gloo(model_parts: list[Any]) -> None:
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+class _GlooDist(types.ModuleType):
+    """``torch.distributed`` whose list ``all_to_all`` also takes chunks of different sizes on
+    gloo (gloo's own refuses them: ``invalid tensor size``), as one ``all_to_all_single`` over the
+    flattened chunks with per-peer split sizes, which gloo runs. Everything else is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        dist = torch.distributed
+        shapes = {t.shape for t in [*output_tensor_list, *input_tensor_list]}
+        if len(shapes) <= 1 or async_op or dist.get_backend(group) != "gloo":
+            return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        send = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        recv = send.new_empty(sum(t.numel() for t in output_tensor_list))
+        dist.all_to_all_single(recv, send, output_split_sizes=[t.numel() for t in output_tensor_list],
+                               input_split_sizes=[t.numel() for t in input_tensor_list], group=group)
+        for out, got in zip(output_tensor_list, recv.split([t.numel() for t in output_tensor_list])):
+            out.copy_(got.view(out.shape))
+        return None
+
+
+def uneven_all_to_all_on_gloo() -> None:
+    """TorchTitan's expert-parallel token dispatch (spmd_types' uneven all-to-all) calls the list
+    ``all_to_all`` with as many tokens per peer as routing sent there; route it through
+    :class:`_GlooDist` by spmd_types' own hook for another ``dist`` (``set_dist``)."""
+    try:
+        from spmd_types import _dist
+    except ImportError:  # an spmd_types without the hook: nothing calls it then
+        return
+    if not isinstance(_dist.dist, _GlooDist):
+        _dist.set_dist(_GlooDist("torch.distributed"))
 
 
 def apply_cpu_fixes(config: Any) -> Any:

@@ -30,7 +30,8 @@ from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
 from piper_plugin.adapters.torchtitan.stage_memory import apply_stage_memory, measure_stage_memory
 from piper_plugin.adapters.torchtitan.titan_log import say_fsdp_withheld
 from piper_plugin.adapters.torchtitan.zero import (
-    check_parallelism, check_withheld, plan_replicas, shard_faces, shard_mesh, withhold_fsdp, zero_level,
+    check_parallelism, check_withheld, expert_faces, plan_replicas, shard_faces, shard_mesh, withhold_fsdp,
+    zero_level,
 )
 
 __all__ = ["make_pipelining_fn", "pipeline_with_piper", "RECIPE_OF_SCHEDULE", "recipe_for"]
@@ -55,7 +56,7 @@ def recipe_for(schedule: str) -> str:
     return RECIPE_OF_SCHEDULE[name]
 
 
-def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: int = 1,
+def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: int = 1, ep: int = 1,
                  zero: int = 0, bucket_bytes: int | None = None) -> tuple[str, Callable[[Any], Schedule]]:
     """(label, program -> Schedule) for a recipe name, a Python recipe file or a JSON trace."""
     try:
@@ -64,7 +65,7 @@ def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: in
         raise ValueError(f"--piper.recipe: {exc}") from None
     chunks = max(1, stages // pp)
     buckets = bucket_bytes if loaded.builtin else None  # a user's recipe or trace sets its own
-    return loaded.name, lambda program: loaded.schedule(program, pp=pp, dp=dp, microbatches=microbatches,
+    return loaded.name, lambda program: loaded.schedule(program, pp=pp, dp=dp, ep=ep, microbatches=microbatches,
                                                         chunks=chunks, zero=zero, bucket_bytes=buckets)
 
 
@@ -82,10 +83,15 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                         options=None, alternate: bool = False) -> tuple[Any, list[nn.Module], bool, bool]:
     """TorchTitan's ``pipelining_fn`` contract; ``alternate`` also builds TorchTitan's own schedule
     over the same parts and alternates the two step by step (:mod:`.alternate`)."""
-    check_parallelism(parallel_dims)
     zero = zero_level(parallelism, options, parallel_dims.dp_shard)
+    check_parallelism(parallel_dims, zero, alternate)
     pp, dp = parallel_dims.pp, parallel_dims.dp_replicate  # dp: copies of the plan TorchTitan reduces
     shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
+    ep = parallel_dims.ep  # experts over the shards (check_parallelism): the grid's ep axis
+    if ep > 1 and ac_config is not None:
+        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with activation checkpointing under the Piper "
+                         f"engine: a recomputed MoE layer would exchange its tokens again inside the backward; "
+                         f"end the command with activation-checkpoint:none")
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         num_stages, num_layers, input_weight, output_weight)
@@ -97,8 +103,9 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     microbatches = training.local_batch_size // mbs
     recipe = getattr(options, "recipe", None) or recipe_for(parallelism.pipeline_parallel_schedule)
     bucket_mb = getattr(options, "bucket_mb", None)
-    label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages, dp=shards,
-                                      zero=zero or 0, bucket_bytes=int(bucket_mb * 2**20) if bucket_mb else None)
+    label, schedule_fn = _schedule_fn(recipe, pp=pp, microbatches=microbatches, stages=num_stages, dp=shards // ep,
+                                      ep=ep, zero=zero or 0,
+                                      bucket_bytes=int(bucket_mb * 2**20) if bucket_mb else None)
     dtype = next(model.parameters()).dtype
     dim = getattr(model_config, "dim", None) or getattr(model_config, "hidden_size")
     sizes = dict(microbatch_size=mbs, microbatches=microbatches, seq_len=training.seq_len, hidden_dim=dim,
@@ -107,9 +114,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     # 1. every stage on the meta device; the recipe's placement says which are ours
     parts = [_split_module(model, names) for names in fqns]
     split_last_backward = ac_config is None  # AC may allow only one backward through a stage
-    program = build_stage_program(parts, **sizes)
+    program = build_stage_program(parts, **sizes)  # whole stages: what the memory probe can run
     memory = measure_stage_memory(program, parts, loss_fn, ac_config=ac_config, dump_folder=dump_folder,
                                   seq_len=training.seq_len, split=split_last_backward)
+    if ep > 1:  # MoE stages as pieces around their expert all-to-alls (:mod:`.pieces`)
+        program = build_stage_program(parts, **sizes, routed=True)  # experts whole: not yet split
     try:
         plan = _compile(program, schedule_fn, pp * shards, split_last_backward).plan
     except (DirectiveError, recipes.RecipeError) as exc:
@@ -117,7 +126,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                          f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
     pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
     placement = plan.dag.meta.placement
-    local = sorted(int(r) for r, rank in placement.items() if rank == pp_rank)
+    local = sorted({plan.dag.regions[r].stage for r, rank in placement.items() if rank == pp_rank})
 
     # 2. SPMD parallelisms (AC, compile, ...) on our parts, as TorchTitan's pipeline_llm does
     model_parts: dict[int, nn.Module] = {}
@@ -137,18 +146,24 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 3. the plan over the parts as they will run (parameter names after wrapping), with the
     # stages' memory measured in 1
-    program = build_stage_program(parts, **sizes)
+    program = build_stage_program(parts, **sizes, routed=ep > 1, expert_shards=ep)  # TorchTitan split the experts
     apply_stage_memory(program, memory)
     compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
     mesh = shard_mesh(parallel_dims) if zero is not None else None
     if zero:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
-        for s in local:
-            shard_faces(model_parts[s], mesh)
-    plan_rank = plan.grid.rank(pp_rank, mesh.get_local_rank(mesh.ndim - 1)) if mesh is not None else pp_rank
+        experts = {n.removeprefix(f"model.stages.{s}.") for r in plan.dag.meta.sharded
+                   for s in [plan.dag.regions[r].stage] for n in plan.dag.regions[r].params}
+        for s in local:  # the experts stay as TorchTitan split them over the ep axis
+            shard_faces(model_parts[s], mesh, skip={id(p) for n, p in model_parts[s].named_parameters() if n in experts})
+            if ep > 1:
+                expert_faces(model_parts[s], parallel_dims.get_mesh("ep"), experts)
+    plan_rank = (plan.grid.rank(pp_rank, *divmod(mesh.get_local_rank(mesh.ndim - 1), ep)) if mesh is not None
+                 else pp_rank)
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""
     sharded = f" x ZeRO-{zero} over {shards} data-parallel ranks" if zero is not None else ""
+    sharded += f", experts over {ep}" if ep > 1 else ""
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
                 f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
     logger.info(simulated_memory_line(dist.get_rank(), plan_rank, result))
@@ -156,7 +171,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
-                                     recipe=label, mixed_precision=mixed,
+                                     recipe=label, mixed_precision=mixed, experts_sharded=ep > 1,
                                      replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
                                                else _replicas(parallel_dims)))
     if alternate:

@@ -25,6 +25,10 @@ import torch.nn as nn
 
 from piper_plugin import Program, Region
 
+from piper_plugin.adapters.torchtitan.pieces import (
+    PausedStage, PieceChunk, counts_name, piece_name, routed_layers, tokens_name,
+)
+
 __all__ = ["StageProgram", "StageChunk", "build_stage_program", "hidden_name", "INPUTS"]
 
 INPUTS = ("tokens", "kwargs", "labels", "loss_kwargs")
@@ -67,8 +71,16 @@ class StageProgram(Program):
 
     def instantiate(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> dict[str, nn.Module]:
         last = max(r.stage for r in self.regions.values())
-        return {str(s): StageChunk(part, s == last, _bound_loss(loss_fn, part) if s == last else loss_fn)
-                for s, part in model.parts()}
+        chunks: dict[str, nn.Module] = {}
+        for s, part in model.parts():
+            chunk = StageChunk(part, s == last, _bound_loss(loss_fn, part) if s == last else loss_fn)
+            pieces = sorted(int(n.split(".")[1]) for n, r in self.regions.items() if r.stage == s and "." in n)
+            if not pieces:
+                chunks[str(s)] = chunk
+                continue
+            paused = PausedStage(s, chunk, len(pieces))
+            chunks.update({piece_name(s, j): PieceChunk(paused, j) for j in pieces})
+        return chunks
 
 
 def _bound_loss(loss_fn: Callable[..., Any], part: nn.Module) -> Callable[..., Any]:
@@ -115,12 +127,15 @@ def _blocks(part: nn.Module, stage: int) -> tuple[tuple[str, tuple[str, ...]], .
 
 def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, microbatches: int, seq_len: int,
                         hidden_dim: int, dtype: torch.dtype, model_type: str = "",
-                        data_shards: int = 1) -> StageProgram:
+                        data_shards: int = 1, routed: bool = False, expert_shards: int = 1) -> StageProgram:
     """The single-device DAG of ``len(parts)`` stages (parts may live on the meta device).
 
     Sizes are for the batch of one plan (``microbatch_size * microbatches`` sequences per data
     shard, ``data_shards`` of them when Piper's plan has a data-parallel axis); the hidden state
-    between stages is ``[batch, seq_len, hidden_dim]`` of ``dtype``.
+    between stages is ``[batch, seq_len, hidden_dim]`` of ``dtype``. ``routed``: stages with
+    routed-expert layers run as pieces around their token hand-offs (:mod:`.pieces`);
+    ``expert_shards``: the parts hold ``1 / expert_shards`` of each layer's experts (the host
+    split them over the ep axis), recorded as the whole layer's shapes and bytes.
     """
     num = len(parts)
     batch = microbatch_size * microbatches * data_shards
@@ -128,6 +143,7 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
     regions: dict[str, Region] = {}
     param_bytes: dict[str, int] = {}
     param_shapes: dict[str, tuple[int, ...]] = {}
+    routed_regions: list[str] = []
     for s, part in enumerate(parts):
         info = _param_info(part, s)
         param_bytes.update({n: b for n, (_, b) in info.items()})
@@ -138,12 +154,50 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
         outputs = ("loss",) if s == num - 1 else (hidden_name(s),)
         value_bytes = {v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs}
         numel = sum(p.numel() for p in part.parameters())
-        regions[str(s)] = Region(
+        stage = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=tuple(info), inputs=inputs, outputs=outputs,
             value_bytes=value_bytes, activation_bytes=hidden_bytes * max(1, len(list(part.children()))),
             param_bytes=sum(b for _, b in info.values()), flops=6 * batch * seq_len * numel,
             blocks=_blocks(part, s))
+        layers = routed_layers(part) if routed else []
+        for name in (f"model.stages.{s}.{n}" for layer in layers for n in layer):
+            shape, nbytes = info[name]
+            info[name] = ((shape[0] * expert_shards, *shape[1:]), nbytes * expert_shards)
+            param_shapes[name], param_bytes[name] = info[name]
+        if not layers:
+            regions[str(s)] = stage
+            continue
+        for piece in _pieces(stage, layers, s, info, batch * seq_len, hidden_bytes):
+            regions[piece.name] = piece
+            if "EP" in piece.tags:
+                routed_regions.append(piece.name)
     return StageProgram.from_regions(
-        regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1), batch_size=batch,
-        param_bytes=param_bytes, param_shapes=param_shapes,
-        value_shapes={hidden_name(s): (batch, seq_len, hidden_dim) for s in range(num - 1)}, root_type=model_type)
+        regions, inputs=INPUTS, loss_value="loss", loss_region=next(n for n, r in regions.items() if "loss" in r.outputs),
+        batch_size=batch, param_bytes=param_bytes, param_shapes=param_shapes,
+        value_shapes={hidden_name(s): (batch, seq_len, hidden_dim) for s in range(num - 1)}, root_type=model_type,
+        routed=routed_regions)
+
+
+def _pieces(stage: Region, layers: list[tuple[str, ...]], s: int, info: dict, tokens: int,
+            hidden_bytes: int) -> list[Region]:
+    """``stage`` as ``2K + 1`` pieces around its ``K`` routed-expert layers' hand-offs: every
+    dense parameter in the first piece, each layer's experts in its expert piece; compute and
+    activations split evenly (an estimate), hand-offs sized as the hidden state."""
+    prefix = f"model.stages.{s}."
+    experts = [tuple(prefix + n for n in layer) for layer in layers]
+    expert_names = {n for layer in experts for n in layer}
+    dense = tuple(n for n in stage.params if n not in expert_names)
+    count = 2 * len(layers) + 1
+    out: list[Region] = []
+    for j in range(count):
+        inputs = stage.inputs if j == 0 else (tokens_name(s, j - 1), counts_name(s, j - 1))
+        outputs = stage.outputs if j == count - 1 else (tokens_name(s, j), counts_name(s, j))
+        params = dense if j == 0 else experts[j // 2] if j % 2 else ()
+        value_bytes = {v: stage.value_bytes.get(v, hidden_bytes if v.startswith("t") else 8 * tokens)
+                       for v in inputs + outputs}
+        out.append(Region(
+            name=piece_name(s, j), stage=s, index=stage.index, tags={**stage.tags, **({"EP": "experts"} if j % 2 else {})},
+            params=params, inputs=inputs, outputs=outputs, value_bytes=value_bytes,
+            activation_bytes=stage.activation_bytes // count, param_bytes=sum(info[n][1] for n in params),
+            flops=stage.flops // count))
+    return out

@@ -36,13 +36,14 @@ class PiperPipelineSchedule:
 
     def __init__(self, *, plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
-                 replicas: list[list[int]] | None = None, mixed_precision=(None, None)):
+                 replicas: list[list[int]] | None = None, mixed_precision=(None, None),
+                 experts_sharded: bool = False):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
         self.loss_fn = loss_fn
         self.specs = specs
         self.microbatches = plan.microbatches
-        self.num_stages = len(program.regions)
+        self.num_stages = len({r.stage for r in program.regions.values()})
         # ``rank`` is this process's plan rank (its pipeline rank); ``replicas`` maps plan ranks to
         # process ranks per data-parallel replica, whose gradients TorchTitan's FSDP/HSDP wrapper reduces.
         # The loss is already sum / global valid tokens: each microbatch's loss gradient is 1. TorchTitan
@@ -50,7 +51,8 @@ class PiperPipelineSchedule:
         # ``mixed_precision``: FSDP's policy (param, reduce dtypes), done by Piper's ZeRO when it shards.
         self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=False,
                                      replicas=tuple(tuple(r) for r in replicas) if replicas else None,
-                                     param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1])
+                                     param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
+                                     experts_sharded=experts_sharded)
         self._executor: Executor | None = None
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
@@ -107,6 +109,10 @@ class PiperPipelineSchedule:
         executor = self._ensure_executor()
         inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
         self._spmd_context = caller_spmd_context()
+        for chunk in executor.state.chunks.values():  # MoE stages' paused forwards (:mod:`.pieces`)
+            paused = getattr(chunk, "paused", None)
+            if paused is not None:
+                paused.context, paused.timeout_s = self._spmd_context, self.config.timeout_s
         for roots in self._fsdp.values():
             hold_gradients(roots)
         # every local stage reduces its gradients after its last backward (``_after``)
@@ -134,5 +140,5 @@ def _last_backwards(plan, rank: int) -> dict[str, int]:
         for key in keys:
             node = plan.dag.nodes[key]
             if node.kind.value in _BACKWARDS:
-                last[int(node.region)] = key
+                last[node.stage] = key
     return {key: stage for stage, key in last.items()}

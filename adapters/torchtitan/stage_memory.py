@@ -53,7 +53,9 @@ def measure_stage_memory(program: StageProgram, parts: Sequence[nn.Module], loss
 
 
 def apply_stage_memory(program: StageProgram, measured: dict[str, Any]) -> None:
-    """Set each measured region's ``activation_bytes`` and ``backward``."""
+    """Set each measured region's ``activation_bytes`` and ``backward``; a stage run as pieces
+    (:mod:`.pieces`) gets its whole stage's figures on its first piece (an estimate)."""
     for name, (saved, backward) in measured.items():
-        program.regions[name].activation_bytes = saved
-        program.regions[name].backward = backward
+        region = program.regions.get(name) or program.regions[f"{name}.0"]
+        region.activation_bytes = saved
+        region.backward = backward

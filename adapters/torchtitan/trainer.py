@@ -74,6 +74,11 @@ class PiperTrainer(Trainer):
 
             config.model_spec = dataclasses.replace(
                 config.model_spec, pipelining_fn=make_pipelining_fn(config.piper, alternate=engine == "alternate"))
+            if engine == "piper" and config.parallelism.expert_parallel_degree > 1:
+                from piper_plugin.adapters.torchtitan.expert_dispatch import OVERRIDE
+
+                if OVERRIDE not in config.override.imports:  # expert all-to-alls as the plan's nodes
+                    config.override.imports.append(OVERRIDE)
         super().__init__(config)
         titan_log.say_loss_rank(self)
         if on_cpu:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = ["zero_level", "check_parallelism", "withhold_fsdp", "check_withheld", "shard_faces", "shard_mesh",
+           "expert_faces",
            "plan_replicas"]
 
 _LEVEL_OF_RESHARD = {"never": 2, "default": 3, "always": 3}
@@ -45,28 +46,50 @@ def zero_level(parallelism, options, shard_degree: int) -> int | None:
     return level
 
 
-def check_parallelism(parallel_dims) -> None:
+def check_parallelism(parallel_dims, zero: int | None = None, alternate: bool = False) -> None:
     """The meshes Piper's engine runs: pp x dp_shard (ZeRO), pp x dp_replicate, or both (HSDP:
-    ZeRO over each replica's shards, the gradients summed over the replicas)."""
+    ZeRO over each replica's shards, the gradients summed over the replicas); and expert
+    parallelism over the whole dp_shard group (TorchTitan's ep borrowed from it)."""
     unsupported = [(flag, degree) for flag, degree in (
-        ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp),
-        ("expert_parallel_degree", parallel_dims.ep)) if degree > 1]
+        ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp)) if degree > 1]
     if unsupported:
         flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
-        raise ValueError(f"{flags}: the Piper engine runs pipeline x data parallelism (ZeRO over "
-                         f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree); set "
+        raise ValueError(f"{flags}: the Piper engine runs pipeline x data x expert parallelism (ZeRO over "
+                         f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree, experts over "
+                         f"expert_parallel_degree); set "
                          f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
                          f"--parallelism.pipeline_engine torch")
+    ep = parallel_dims.ep
+    if ep <= 1:
+        return
+    if alternate:
+        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with --parallelism.pipeline_engine alternate: "
+                         f"the two engines dispatch experts differently; compare them in two runs (piper, torch)")
+    if ep != parallel_dims.dp_shard:
+        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with data_parallel_shard_degree "
+                         f"{parallel_dims.dp_shard}: the Piper engine shards experts over the whole shard group "
+                         f"(each expert on one rank); set --parallelism.expert_parallel_degree "
+                         f"{parallel_dims.dp_shard} or use --parallelism.pipeline_engine torch")
+    if zero == 3:
+        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with ZeRO-3 (--piper.zero 3, or "
+                         f"fsdp_reshard_after_forward default / always): the Piper engine runs expert "
+                         f"parallelism with ZeRO 0-2 for now; add --piper.zero 2 (or 1, 0)")
 
 
 @contextlib.contextmanager
 def withhold_fsdp(calls: list[dict[str, Any]]) -> Iterator[None]:
     """Within the block TorchTitan's ``fully_shard`` (bound by name in each of its modules)
-    records its keyword arguments in ``calls`` and leaves the module as it is."""
-    from torch.distributed.fsdp import fully_shard
+    records its keyword arguments in ``calls`` and leaves the module as it is, its FSDP
+    settings (``set_*``: prefetching, resharding) accepted and ignored."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    settings = [name for name in dir(FSDPModule) if name.startswith("set_")]  # e.g. prefetch under EP
 
     def withheld(module, **kwargs):
         calls.append(kwargs)
+        for unit in module if isinstance(module, (list, tuple)) else [module]:
+            for name in settings:  # what TorchTitan may set on the unit afterwards: nothing to set
+                object.__setattr__(unit, name, _ignore)
         return module
 
     patched = [(m, name) for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("torchtitan")
@@ -78,6 +101,10 @@ def withhold_fsdp(calls: list[dict[str, Any]]) -> Iterator[None]:
     finally:
         for module, name in patched:
             setattr(module, name, fully_shard)
+
+
+def _ignore(*args, **kwargs) -> None:
+    return None
 
 
 def check_withheld(calls: list[dict[str, Any]], training: Any, part: nn.Module,
@@ -106,17 +133,17 @@ def check_withheld(calls: list[dict[str, Any]], training: Any, part: nn.Module,
     return (wanted if wanted != dtype else None), (reduce if reduce != dtype else None)
 
 
-def shard_faces(part: nn.Module, mesh) -> None:
+def shard_faces(part: nn.Module, mesh, skip: set[int] = frozenset()) -> None:
     """Register every parameter of ``part`` (on the meta device) as a DTensor face sharded
     ``Shard(0)`` over ``mesh``'s last dimension (replicated over the others: HSDP), with the
     local shape FSDP2 gives it (rows cut like ``torch.chunk``), so initialising the part fills
-    exactly this rank's rows."""
+    exactly this rank's rows. Parameters whose id is in ``skip`` stay as they are."""
     n, me = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     faces: dict[int, nn.Parameter] = {}
     for module in part.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or isinstance(p, DTensor):
+            if p is None or isinstance(p, DTensor) or id(p) in skip:
                 continue
             face = faces.get(id(p))
             if face is None:
@@ -128,6 +155,23 @@ def shard_faces(part: nn.Module, mesh) -> None:
                                                        stride=p.stride()), requires_grad=p.requires_grad)
                 faces[id(p)] = face
             module._parameters[name] = face
+
+
+def expert_faces(part: nn.Module, mesh, names: set[str]) -> None:
+    """Register the experts ``names`` of ``part`` (this rank's experts, as TorchTitan split them
+    over the ep axis) as DTensor faces ``Shard(0)`` over ``mesh`` (TorchTitan's ``ep`` mesh), as
+    its gradient clipping and checkpoints expect expert parameters under expert parallelism."""
+    n = mesh.size()
+    for module_name, module in part.named_modules():
+        for name, p in list(module._parameters.items()):
+            full = f"{module_name}.{name}" if module_name else name
+            if p is None or full not in names or isinstance(p, DTensor):
+                continue
+            shape = (p.shape[0] * n, *p.shape[1:])
+            stride = torch.empty(shape, device="meta").stride()
+            module._parameters[name] = nn.Parameter(
+                DTensor.from_local(p.data, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride),
+                requires_grad=p.requires_grad)
 
 
 def shard_mesh(parallel_dims):
@@ -144,13 +188,13 @@ def shard_mesh(parallel_dims):
 
 
 def plan_replicas(parallel_dims, mesh, grid) -> list[list[int]]:
-    """Process rank of every plan rank, per replica (a collective): plan rank ``grid.rank(pp, d)``
-    of replica ``i`` is the process at pipeline rank ``pp``, shard rank ``d`` (``mesh``'s last
-    dimension) and replicate rank ``i``."""
+    """Process rank of every plan rank, per replica (a collective): the plan rank at pipeline rank
+    ``pp`` and data shard ``d`` (``grid.data_shard``) of replica ``i`` is the process at pipeline
+    rank ``pp``, shard rank ``d`` (``mesh``'s last dimension) and replicate rank ``i``."""
     replica = mesh.get_local_rank(0) if mesh.ndim > 1 else 0
     mine = (replica, parallel_dims.get_mesh("pp").get_local_rank(), mesh.get_local_rank(mesh.ndim - 1))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     where = {coords: process for process, coords in enumerate(everyone)}
-    return [[where[(i, *grid.coords(r)[:2])] for r in range(grid.world_size)]
+    return [[where[(i, grid.coords(r)[0], grid.data_shard(r))] for r in range(grid.world_size)]
             for i in range(parallel_dims.dp_replicate)]

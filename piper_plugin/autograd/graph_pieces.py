@@ -78,6 +78,10 @@ class GraphPieces:
             entry = seen[id(t)] = (t, tag[1], proxy)
         return entry[2]
 
+    def roots(self, j: int) -> list[torch.Tensor]:
+        """What piece ``j`` handed out (the order :meth:`backward` takes their gradients in)."""
+        return list(self._roots[j])
+
     def end_piece(self, roots: Sequence[torch.Tensor]) -> int:
         """Close the current piece with ``roots`` (what it hands out); returns its index."""
         j = self.index

@@ -109,12 +109,14 @@ class Program:
     @classmethod
     def from_regions(cls, regions: dict[str, Region], *, inputs: Sequence[str], loss_value: str, loss_region: str,
                      batch_size: int, param_bytes: dict[str, int], param_shapes: dict[str, tuple[int, ...]],
-                     value_shapes: dict[str, tuple[int, ...]], root_type: str = "") -> "Program":
+                     value_shapes: dict[str, tuple[int, ...]], root_type: str = "",
+                     routed: Sequence[str] = ()) -> "Program":
         """Module regions: a program over regions the caller cut itself (a host's model parts),
         with no tracing. Each value is produced by the one region listing it in ``outputs``; the
         DAG is the one :func:`capture` builds for the same regions. Sizes are for the whole
         batch. Such a program has no graphs: its class overrides :meth:`instantiate` to return
-        each region's chunk module (called with the region's inputs, returning its outputs)."""
+        each region's chunk module (called with the region's inputs, returning its outputs).
+        ``routed``: expert regions taking and returning ``(tokens, counts)`` (``DagMeta.routed``)."""
         if cls.instantiate is Program.instantiate:
             raise TypeError(f"{cls.__name__}.from_regions: a module-region program has no graphs; subclass "
                             f"Program and override instantiate(model, loss_fn) to return each region's chunk")
@@ -126,6 +128,7 @@ class Program:
         dag.meta.param_bytes = dict(param_bytes)
         dag.meta.param_shapes = dict(param_shapes)
         dag.meta.value_shapes = dict(value_shapes)
+        dag.meta.routed = tuple(routed)
         return cls(graphs={}, regions=regions, input_names=tuple(inputs), loss_value=loss_value,
                    loss_region=loss_region, dag=dag, root_type=root_type, tied={})
 

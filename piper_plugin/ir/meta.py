@@ -29,6 +29,10 @@ class DagMeta:
     """The region that computes the loss."""
     inputs: tuple[str, ...] = ()
     """Names of the model's input values, in call order."""
+    routed: tuple[str, ...] = ()
+    """Expert regions fed routed token rows (Program.from_regions): each takes and returns
+    ``(tokens, counts)``, counts per member of the ep group, so their all-to-alls move uneven,
+    data-dependent splits."""
 
     # place (passes/place.py)
     placement: dict[str, int] = field(default_factory=dict)

@@ -1,7 +1,10 @@
 """shard: expert parallelism (EP) of a region over the grid's ``ep`` axis.
 
 The region's parameters and its one input and one output carry a leading expert dimension E
-(GShard layout ``[E, capacity, dim]``); each EP rank keeps E/ep experts. Dispatch is an
+(GShard layout ``[E, capacity, dim]``); each EP rank keeps E/ep experts. A *routed* region
+(``DagMeta.routed``: dropless routing, as TorchTitan's MoE) takes and returns ``(tokens,
+counts)`` instead, token rows grouped by destination with their counts per member; its
+all-to-alls move the counts with the rows (uneven splits) and the gradients of the rows back. Dispatch is an
 ALL_TO_ALL before the region's F (and after its B, for the input gradient); combine is an
 ALL_TO_ALL after its F (and before its B, for the output gradient). EP groups are the ranks of
 a pipeline slice that share a ``dp`` coordinate, so the EP degree is independent of DP.
@@ -28,6 +31,11 @@ def shard_problem(dag: DAG, region: str, degree: int) -> str | None:
     experts = leading.pop()
     if experts % degree:
         return f"region {region} has {experts} experts, not divisible by ep={degree}"
+    if region in dag.meta.routed:  # (tokens, counts) in and out: the splits come with the data
+        if len(r.inputs) != 2 or len(r.outputs) != 2:
+            return (f"routed expert region {region} must take and return (tokens, counts); it has inputs "
+                    f"{r.inputs} and outputs {r.outputs}")
+        return None
     if len(r.inputs) != 1 or len(r.outputs) != 1:
         return (f"region {region} must take one tensor and return one tensor of layout "
                 f"[experts, capacity, dim]; it has inputs {r.inputs} and outputs {r.outputs}")
@@ -58,7 +66,8 @@ def shard(dag: DAG, grid: RankGrid, region: str) -> None:
             dag.add_data(mid, dst, values)
 
     x, y = r.inputs[0], r.outputs[0]
-    wrap([(k, f) for k, v in list(dag.data_pred[f].items()) if x in v], "F.in", "F")
-    wrap([(f, k) for k, v in list(dag.data_succ[f].items()) if y in v], "F.out", "F")
+    xs, ys = set(r.inputs), set(r.outputs)  # a routed region's counts travel with its tokens
+    wrap([(k, f) for k, v in list(dag.data_pred[f].items()) if xs & set(v)], "F.in", "F")
+    wrap([(f, k) for k, v in list(dag.data_succ[f].items()) if ys & set(v)], "F.out", "F")
     wrap([(k, b) for k, v in list(dag.data_pred[b].items()) if f"grad:{y}" in v], "B.out", "B")
     wrap([(b, k) for k, v in list(dag.data_succ[b].items()) if f"grad:{x}" in v], "B.in", "B")

@@ -1,7 +1,8 @@
 """Compute handlers, one per chunk kind; each reads its inbox and delivers its outputs.
 
 Invariants: F makes every input produced by another region a fresh autograd leaf, so B / BI
-yield exactly the gradients to send upstream; BI keeps the graph and the gradients reaching
+yield exactly the gradients to send upstream (a chunk that is one piece of a paused forward,
+:mod:`.paused_forward`, runs its piece and that piece's backward instead of a whole call); BI keeps the graph and the gradients reaching
 its weight side for BW (:mod:`.split_backward`), so BW runs only weight-gradient kernels; the
 loss output's gradient is the microbatch scale 1/(microbatches x data shards), so summed over all of them
 the step equals the full-batch mean.
@@ -33,8 +34,10 @@ def _forward(state: RankState, node: Node) -> None:
             args.append(state.inputs[v][mb])
         else:
             raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
+    chunk = state.chunks[node.region]
     with state.meter.window(node.key, saves=True), state.block_task(node.region, "F"):
-        outputs = dict(zip(region.outputs, state.chunks[node.region](*args)))
+        piece = getattr(chunk, "forward_piece", None)  # a piece of a paused forward (hand-offs)
+        outputs = dict(zip(region.outputs, piece(mb, args) if piece is not None else chunk(*args)))
     state.saved[(node.region, mb)] = (leaves, outputs)
     if node.region == state.loss_region:
         state.losses.append(outputs[state.loss_value].detach() * state.scale)
@@ -65,15 +68,20 @@ def _backward(state: RankState, node: Node) -> None:
     with state.meter.window(node.key):  # the graph, and what it saved, goes inside
         leaves, outputs = state.saved.pop((node.region, node.microbatch))
         outs, grads = _output_grads(state, node, outputs, state.take(node.key))
+        piece = getattr(state.chunks[node.region], "backward_piece", None)
         with state.block_task(node.region, "B"):
-            if outs:
+            if piece is not None:  # runs even without gradients: it also frees the piece
+                piece(node.microbatch, outs, grads)
+            elif outs:
                 torch.autograd.backward(outs, grads)
         del outputs, outs, grads
     _deliver_input_grads(state, node, leaves, [leaf.grad for leaf in leaves.values()])
 
 
 def _backward_input(state: RankState, node: Node) -> None:
-    if node.key in state.fused_backward:  # its BW comes right after on this stream: one pass
+    # its BW comes right after on this stream, or a piece of a paused forward (no split of its
+    # own: its BW has nothing left to do): one pass
+    if node.key in state.fused_backward or hasattr(state.chunks[node.region], "backward_piece"):
         _backward(state, node)
         return
     key = (node.region, node.microbatch)

@@ -24,6 +24,7 @@ from piper_plugin.ir.nodes import COLLECTIVES, Kind, Node
 from piper_plugin.runtime import comm_ops
 from piper_plugin.runtime.group_collectives import GroupCollectives, all_gather_into, reduce_scatter_into
 from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.token_exchange import TokenExchanges
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
@@ -82,6 +83,7 @@ class DistComm:
         self.wait_limit = None if device.type == "cuda" else timeout  # NCCL's watchdog bounds GPU waits
         self._ops: dict[tuple[str, tuple[int, ...]], GroupCollectives] = {}  # per communicator
         self._bucket_ops: dict[tuple[str, int], GroupCollectives] = {}  # per bucket, outside the plan
+        self.exchanges = TokenExchanges()  # routed expert regions' all-to-alls
         for replica in replicas:
             for stream, ranks in communicator_specs(plan):
                 group = dist.new_group([replica[r] for r in ranks], timeout=timeout, use_local_synchronization=False)
@@ -237,6 +239,8 @@ class DistComm:
                 comm_ops.absorb(state, node, out)
 
             return complete
+        elif node.kind == Kind.ALL_TO_ALL and node.region in dag.meta.routed:  # uneven, data-dependent splits
+            self.exchanges.run(state, node, *self._group(node))
         elif node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):  # ZeRO-3: into the bucket
             ops = self._group_ops(node)
             shard = comm_ops.payload(state, node)

@@ -31,7 +31,7 @@ from piper_plugin.runtime.block_gathers import BlockGathers
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
-from piper_plugin.runtime.rank_state import RankState
+from piper_plugin.runtime.rank_state import RankState, _Named
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
@@ -71,6 +71,8 @@ class ExecutorConfig:
     ``param_dtype`` / ``reduce_dtype``: mixed precision for regions replicated with ZeRO >= 1
     (FSDP's policy): compute and all-gather in ``param_dtype``, keep the shards (the master
     weights) in the parameters' dtype, reduce gradients in ``reduce_dtype``; None: as is.
+    ``experts_sharded``: the host hands over every expert-sharded region's parameters already cut
+    to this rank's experts (as plain tensors or DTensors); False: whole, Piper keeps its slice.
     """
 
     timeout_s: float = 60.0
@@ -80,6 +82,7 @@ class ExecutorConfig:
     replicas: tuple[tuple[int, ...], ...] | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    experts_sharded: bool = False
 
     def runner(self) -> RunnerConfig:
         """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
@@ -128,9 +131,13 @@ class Executor:
         placement, me = plan.dag.meta.placement, plan.grid.coords(rank)[0]
         hosted = optimizer_fn is None and any(zero >= 1 and placement[region] == me
                                               for region, zero in plan.dag.meta.replicated.items())
-        adopted = unwrap_faces(model) if hosted else {}
+        # experts the host already sharded over the ep axis (as DTensors) stay as they are
+        sharded = {n for region in plan.dag.meta.sharded for n in plan.dag.regions[region].params}
+        experts = {id(p) for n, p in _Named(model).named_parameters() if n in sharded}
+        adopted = unwrap_faces(model, keep=experts) if hosted else {}
         self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer,
-                               mixed_precision=(config.param_dtype, config.reduce_dtype))
+                               mixed_precision=(config.param_dtype, config.reduce_dtype),
+                               experts_sharded=config.experts_sharded)
         self.state.snapshot_grads = config.capture_grads
         if config.loss_scale is not None:
             self.state.scale = config.loss_scale

@@ -40,13 +40,14 @@ def _slots(model: nn.Module) -> dict[int, list[Slot]]:
     return out
 
 
-def unwrap_faces(model: nn.Module) -> dict[int, nn.Parameter]:
+def unwrap_faces(model: nn.Module, keep: set[int] = frozenset()) -> dict[int, nn.Parameter]:
     """Replace every DTensor parameter of ``model`` by a plain one holding it whole (a
-    collective over each face's mesh, in module order on every rank). Returns id(plain) -> face."""
+    collective over each face's mesh, in module order on every rank), but those whose id is in
+    ``keep`` (experts the host sharded over the plan's ep axis). Returns id(plain) -> face."""
     faces: dict[int, nn.Parameter] = {}
-    for slots in _slots(model).values():
+    for pid, slots in _slots(model).items():
         face = getattr(slots[0][0], slots[0][1])
-        if not isinstance(face, DTensor):
+        if not isinstance(face, DTensor) or pid in keep:
             continue
         placements = tuple(face.placements)
         if placements != (Replicate(),) * (len(placements) - 1) + (Shard(0),):

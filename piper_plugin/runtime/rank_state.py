@@ -34,7 +34,8 @@ OptimizerFn = Callable[["ParamList"], torch.optim.Optimizer]
 class RankState:
     def __init__(self, rank: int, plan: Plan, program: Program, model: nn.Module,
                  loss_fn: Callable[..., torch.Tensor], optimizer_fn: OptimizerFn,
-                 mixed_precision: tuple[torch.dtype | None, torch.dtype | None] = (None, None)):
+                 mixed_precision: tuple[torch.dtype | None, torch.dtype | None] = (None, None),
+                 experts_sharded: bool = False):
         self.rank = rank
         self.mixed_precision = mixed_precision  # (compute, reduce) dtypes of ZeRO >= 1 buckets
         self.plan = plan
@@ -48,7 +49,8 @@ class RankState:
         self.chunks: dict[str, fx.GraphModule] = {r: chunks[r] for r in self.regions}
         named = dict(_Named(model).named_parameters())
         self._names = {id(p): n for n, p in named.items()}
-        self._shard_experts(named)
+        if not experts_sharded:  # else the host cut every expert region to this rank's experts
+            self._shard_experts(named)
         self.input_names = program.input_names
         self.loss_region = program.loss_region
         self.loss_value = program.loss_value
