@@ -1,0 +1,98 @@
+"""Expert parallelism inside TorchTitan, every schedule: Piper's engine against TorchTitan's own.
+
+Each cell is a real ``torchtitan.train`` job on 4 ranks (pipeline 2 x
+``data_parallel_shard_degree`` 2 x ``expert_parallel_degree`` 2: each rank holds half of every
+MoE layer's experts) of the deepseek_v3 debug model on plain cross-entropy, under the Piper
+engine (``--piper.zero 2`` for the dense part: MoE stages as pieces around their token
+hand-offs, the all-to-alls as the plan's ALL_TO_ALL nodes) and under TorchTitan's own engine
+(FSDP with reshard ``never``, its all-to-all dispatcher), same seed, data and schedule. With 2
+tokens per microbatch and top-3 routing over 8 experts, at least 2 experts of every MoE layer
+get no token in every microbatch. Per cell: the worst relative difference over the steps of the
+loss and of the grad norm (as TorchTitan logs them: 5 and 4 decimals) and whether both are
+within the tolerance. ``tests/test_torchtitan_ep.py`` runs two of the cells.
+
+    python -m benchmarks.ep_parity --out benchmarks/results/ep_parity.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from piper_plugin.adapters.torchtitan import run_titan
+
+from benchmarks._common import code_version, command_line, markdown_table, write_result
+from benchmarks.zero_parity import worst_relative
+
+CONFIG = "deepseek_v3_debugmodel_ce_loss"
+SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV")
+
+
+def cell_flags(schedule: str, seq_len: int = 2) -> list[str]:
+    """Both engines' flags for one schedule (the tyro subcommand last)."""
+    return ["--debug.seed", "42", "--training.seq_len", str(seq_len), "--training.local_batch_size", "4",
+            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule,
+            "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+            "--parallelism.fsdp_reshard_after_forward", "never"]
+
+
+def run_cell(schedule: str, steps: int, folder: Path, seq_len: int = 2):
+    """(TorchTitan's run, Piper's run) of one schedule."""
+    flags, tail = cell_flags(schedule, seq_len), ["activation-checkpoint:none"]
+    reference = run_titan(CONFIG, "torch", dump_folder=folder / f"{schedule}-torch", nproc=4, steps=steps,
+                          extra=[*flags, *tail], timeout_s=1200)
+    piper = run_titan(CONFIG, "piper", dump_folder=folder / f"{schedule}-piper", nproc=4, steps=steps,
+                      extra=[*flags, "--piper.zero", "2", *tail], timeout_s=1200)
+    return reference, piper
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ep_parity", description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq-len", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ep_parity.md"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    version = code_version()  # before the runs: they run the code as it is now
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ep_parity_") as tmp:
+        for schedule in args.schedules:
+            reference, run = run_cell(schedule, args.steps, Path(tmp), args.seq_len)
+            ok = reference.ok and run.ok
+            loss = worst_relative(reference.losses, run.losses) if ok else float("inf")
+            norm = worst_relative(reference.grad_norms, run.grad_norms) if ok else float("inf")
+            failed = reference if not reference.ok else run
+            row = dict(schedule=schedule, loss=loss, grad_norm=norm, ok=ok and max(loss, norm) <= args.tolerance,
+                       error="" if ok else failed.tail().strip().splitlines()[-1][:160])
+            rows.append(row)
+            print(f"{schedule}: loss {loss:.2e} grad norm {norm:.2e} {'ok' if row['ok'] else 'FAIL ' + row['error']}",
+                  flush=True)
+    table = markdown_table(["schedule", "loss", "grad norm", "within"],
+                           [[r["schedule"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
+                             "yes" if r["ok"] else f"NO {r['error']}"] for r in rows])
+    write_result(args.out, "ep_parity.md", (
+        f"# Expert parallelism inside TorchTitan: Piper's engine against TorchTitan's, every schedule\n\n"
+        f"Command: `{command_line('ep_parity', args, parser)}`  \n"
+        f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, gloo, 4 ranks "
+        f"started by torchrun with 1 torch thread each; {version}\n\n"
+        f"Worst relative difference over {args.steps} steps from TorchTitan's own engine on {CONFIG} (pp 2 x "
+        f"data_parallel_shard_degree 2 x expert_parallel_degree 2; Piper ZeRO-2 for the dense part, TorchTitan FSDP "
+        f"with reshard `never`; {args.seq_len} tokens per microbatch, top-3 of 8 experts: experts left empty in "
+        f"every microbatch), as TorchTitan logs them (loss 5 decimals, grad norm 4), tolerance "
+        f"{args.tolerance:g}.\n\n{table}\n"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
