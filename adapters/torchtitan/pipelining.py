@@ -119,6 +119,9 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                                   seq_len=training.seq_len, split=split_last_backward)
     if ep > 1:  # MoE stages as pieces around their expert all-to-alls (:mod:`.pieces`)
         program = build_stage_program(parts, **sizes, routed=True)  # experts whole: not yet split
+        if not program.dag.meta.routed:
+            raise ValueError(f"--parallelism.expert_parallel_degree {ep}: {type(model).__name__} has no routed-expert "
+                             f"(MoE) layer to split over ranks; set --parallelism.expert_parallel_degree 1")
     try:
         plan = _compile(program, schedule_fn, pp * shards, split_last_backward).plan
     except (DirectiveError, recipes.RecipeError) as exc:
