@@ -7,6 +7,8 @@ microbatch, so the all-to-alls move uneven splits with empty ones. ``python -m
 benchmarks.ep_parity`` runs every schedule; here DualPipeV (its forward / backward pairs as
 overlap blocks, each piece's all-to-all on the ``ep`` stream).
 """
+import json
+
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -26,7 +28,8 @@ def test_expert_parallel_dualpipev_matches_torchtitan_for_10_steps(tmp_path):
     expect = "recipe dualpipev, 4 stages on 2 ranks x ZeRO-2 over 2 data-parallel ranks, experts over 2"
     flags, tail = cell_flags("DualPipeV"), ["activation-checkpoint:none"]
     runs = {}
-    for engine, extra in (("torch", []), ("piper", ["--piper.zero", "2"])):
+    trace = tmp_path / "trace"
+    for engine, extra in (("torch", []), ("piper", ["--piper.zero", "2", "--piper.trace", str(trace)])):
         run = run_titan_forked(CONFIG, engine, dump_folder=tmp_path / engine, nproc=4, steps=STEPS,
                                extra=[*flags, *extra, *tail], timeout_s=600)
         assert run.ok, f"{engine} run failed (exit {run.returncode}):\n{run.tail()}"
@@ -36,3 +39,10 @@ def test_expert_parallel_dualpipev_matches_torchtitan_for_10_steps(tmp_path):
     assert _close(runs["torch"].losses, runs["piper"].losses), (runs["torch"].losses, runs["piper"].losses)
     assert _close(runs["torch"].grad_norms, runs["piper"].grad_norms), (runs["torch"].grad_norms,
                                                                        runs["piper"].grad_norms)
+    # the token exchanges ran as the plan's own tasks on the ep stream, four per MoE piece and
+    # microbatch (dispatch and combine, forward and backward), on every rank
+    for rank in range(4):
+        timeline = json.loads((trace / f"rank{rank}.json").read_text())["timeline"]
+        exchanges = [key for stream, key, _, _ in timeline if stream == "ep" and "ALL_TO_ALL" in key]
+        assert exchanges and len(exchanges) % (4 * 4) == 0, (rank, exchanges)
+        assert {key.rsplit("@", 1)[1] for key in exchanges} == {"F.in", "F.out", "B.out", "B.in"}

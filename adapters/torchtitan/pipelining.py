@@ -175,6 +175,7 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
                                      recipe=label, mixed_precision=mixed, experts_sharded=ep > 1,
+                                     trace_dir=getattr(options, "trace", None),
                                      replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
                                                else _replicas(parallel_dims)))
     if alternate:

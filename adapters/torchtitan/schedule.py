@@ -14,8 +14,11 @@ backward, nothing to schedule.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin import Executor, ExecutorConfig, ValueSpec
@@ -37,7 +40,7 @@ class PiperPipelineSchedule:
     def __init__(self, *, plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
                  replicas: list[list[int]] | None = None, mixed_precision=(None, None),
-                 experts_sharded: bool = False):
+                 experts_sharded: bool = False, trace_dir: str | None = None):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
         self.loss_fn = loss_fn
@@ -54,6 +57,7 @@ class PiperPipelineSchedule:
                                      param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
                                      experts_sharded=experts_sharded)
         self._executor: Executor | None = None
+        self.trace_dir, self._steps = trace_dir, 0
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
         # right after its last backward task on this rank (inside the cool-down's idle time).
@@ -117,9 +121,20 @@ class PiperPipelineSchedule:
             hold_gradients(roots)
         # every local stage reduces its gradients after its last backward (``_after``)
         out = executor.step(microbatches=inputs, compute_context=self._spmd_context)
+        self._steps += 1
+        if self.trace_dir:
+            self._write_trace(executor)
         if losses is not None and self.has_last_stage:
             losses.extend(out)
         return None
+
+    def _write_trace(self, executor: Executor) -> None:
+        """``--piper.trace``: this rank's measured timeline of the step that just ran."""
+        folder = Path(self.trace_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        timeline = [[stream, key, start, end] for stream, key, start, end in executor.runner.timeline]
+        (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(
+            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline}))
 
     def eval(self, *args, target=None, losses: list | None = None, arg_mbs=None, kwarg_mbs=None,
              target_mbs=None, **kwargs):

@@ -50,6 +50,11 @@ class PiperOptions:
     """Size of Piper's ZeRO / gradient-reduction buckets in MiB under a built-in recipe: each is
     gathered, laid out and reduced on its own, so the transient copies stay one bucket."""
 
+    trace: str | None = None
+    """Directory where every process writes the measured timeline of its latest step after each
+    step (``rank<process rank>.json``: its plan rank, the step, and ``[stream, task, start s,
+    end s]`` per task of the Piper plan)."""
+
     memory_split: bool = False
     """Log, after every step, the parameters, gradients and optimizer state each rank keeps
     (bytes of its live tensors), and once its RSS at start-up: with the ``memory:`` figure, the
