@@ -27,7 +27,7 @@ import torch
 from piper_plugin.adapters.torchtitan import run_titan
 
 from benchmarks._common import code_version, command_line, markdown_table, write_result
-from benchmarks.zero_parity import worst_relative
+from benchmarks.zero_parity import compare
 
 CONFIG = "deepseek_v3_debugmodel_ce_loss"
 SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV")
@@ -68,16 +68,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ep_parity_") as tmp:
         for schedule in args.schedules:
-            reference, run = run_cell(schedule, args.steps, Path(tmp), args.seq_len)
-            ok = reference.ok and run.ok
-            loss = worst_relative(reference.losses, run.losses) if ok else float("inf")
-            norm = worst_relative(reference.grad_norms, run.grad_norms) if ok else float("inf")
-            failed = reference if not reference.ok else run
-            row = dict(schedule=schedule, loss=loss, grad_norm=norm, ok=ok and max(loss, norm) <= args.tolerance,
-                       error="" if ok else failed.tail().strip().splitlines()[-1][:160])
+            row = dict(schedule=schedule, **compare(*run_cell(schedule, args.steps, Path(tmp), args.seq_len),
+                                                    args.tolerance))
             rows.append(row)
-            print(f"{schedule}: loss {loss:.2e} grad norm {norm:.2e} {'ok' if row['ok'] else 'FAIL ' + row['error']}",
-                  flush=True)
+            print(f"{schedule}: loss {row['loss']:.2e} grad norm {row['grad_norm']:.2e} "
+                  f"{'ok' if row['ok'] else 'FAIL ' + row['error']}", flush=True)
     table = markdown_table(["schedule", "loss", "grad norm", "within"],
                            [[r["schedule"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
                              "yes" if r["ok"] else f"NO {r['error']}"] for r in rows])

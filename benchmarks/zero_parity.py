@@ -52,6 +52,17 @@ def worst_relative(reference: dict[int, float], run: dict[int, float]) -> float:
     return max(abs(run[s] - reference[s]) / max(abs(reference[s]), 1e-12) for s in reference)
 
 
+def compare(reference, run, tolerance: float) -> dict:
+    """One cell: worst relative loss and grad-norm differences of ``run`` from ``reference``
+    (inf where a job failed), whether both are within ``tolerance``, and the failing line."""
+    ok = reference.ok and run.ok
+    loss = worst_relative(reference.losses, run.losses) if ok else float("inf")
+    norm = worst_relative(reference.grad_norms, run.grad_norms) if ok else float("inf")
+    failed = reference if not reference.ok else run
+    return dict(loss=loss, grad_norm=norm, ok=ok and max(loss, norm) <= tolerance,
+                error="" if ok else failed.tail().strip().splitlines()[-1][:160])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -82,15 +93,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     run = run_titan(config, "piper", dump_folder=Path(tmp) / f"{model}-{schedule}-{zero}", nproc=4,
                                     steps=args.steps, timeout_s=1200,
                                     extra=[*base, *flags, "--piper.zero", str(zero), *tail])
-                    ok = reference.ok and run.ok
-                    loss = worst_relative(reference.losses, run.losses) if ok else float("inf")
-                    norm = worst_relative(reference.grad_norms, run.grad_norms) if ok else float("inf")
-                    failed = reference if not reference.ok else run
-                    row = dict(model=model, schedule=schedule, zero=zero, loss=loss, grad_norm=norm,
-                               ok=ok and max(loss, norm) <= args.tolerance,
-                               error="" if ok else failed.tail().strip().splitlines()[-1][:160])
+                    row = dict(model=model, schedule=schedule, zero=zero, **compare(reference, run, args.tolerance))
                     rows.append(row)
-                    print(f"{model} {schedule} ZeRO-{zero}: loss {loss:.2e} grad norm {norm:.2e} "
+                    print(f"{model} {schedule} ZeRO-{zero}: loss {row['loss']:.2e} grad norm {row['grad_norm']:.2e} "
                           f"{'ok' if row['ok'] else 'FAIL ' + row['error']}", flush=True)
     table = markdown_table(["model", "schedule", "ZeRO", "loss", "grad norm", "within"],
                            [[r["model"], r["schedule"], r["zero"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
