@@ -27,7 +27,7 @@ import torch
 from piper_plugin.adapters.torchtitan import run_titan
 
 from benchmarks._common import code_version, command_line, markdown_table, write_result
-from benchmarks.zero_parity import compare
+from benchmarks.zero_parity import add_parity_args, cell_line, compare
 
 CONFIG = "deepseek_v3_debugmodel_ce_loss"
 SCHEDULES = ("1F1B", "Interleaved1F1B", "DualPipeV")
@@ -54,10 +54,8 @@ def run_cell(schedule: str, steps: int, folder: Path, seq_len: int = 2):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ep_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq-len", type=int, default=2)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ep_parity.md"))
+    add_parity_args(parser, "ep_parity")
     return parser
 
 
@@ -71,8 +69,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             row = dict(schedule=schedule, **compare(*run_cell(schedule, args.steps, Path(tmp), args.seq_len),
                                                     args.tolerance))
             rows.append(row)
-            print(f"{schedule}: loss {row['loss']:.2e} grad norm {row['grad_norm']:.2e} "
-                  f"{'ok' if row['ok'] else 'FAIL ' + row['error']}", flush=True)
+            print(f"{schedule}: {cell_line(row)}", flush=True)
     table = markdown_table(["schedule", "loss", "grad norm", "within"],
                            [[r["schedule"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
                              "yes" if r["ok"] else f"NO {r['error']}"] for r in rows])

@@ -63,14 +63,24 @@ def compare(reference, run, tolerance: float) -> dict:
                 error="" if ok else failed.tail().strip().splitlines()[-1][:160])
 
 
+def add_parity_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every parity matrix takes: steps per job, tolerance, results file."""
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{name}.md"))
+
+
+def cell_line(row: dict) -> str:
+    """A compared cell as the progress line both matrices print."""
+    return f"loss {row['loss']:.2e} grad norm {row['grad_norm']:.2e} {'ok' if row['ok'] else 'FAIL ' + row['error']}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--zero", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--tolerance", type=float, default=1e-4)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/zero_parity.md"))
+    add_parity_args(parser, "zero_parity")
     return parser
 
 
@@ -95,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                                     extra=[*base, *flags, "--piper.zero", str(zero), *tail])
                     row = dict(model=model, schedule=schedule, zero=zero, **compare(reference, run, args.tolerance))
                     rows.append(row)
-                    print(f"{model} {schedule} ZeRO-{zero}: loss {row['loss']:.2e} grad norm {row['grad_norm']:.2e} "
-                          f"{'ok' if row['ok'] else 'FAIL ' + row['error']}", flush=True)
+                    print(f"{model} {schedule} ZeRO-{zero}: {cell_line(row)}", flush=True)
     table = markdown_table(["model", "schedule", "ZeRO", "loss", "grad norm", "within"],
                            [[r["model"], r["schedule"], r["zero"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
                              "yes" if r["ok"] else f"NO {r['error']}"] for r in rows])

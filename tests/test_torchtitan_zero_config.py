@@ -70,13 +70,15 @@ def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):
     check_parallelism(_dims(dp_replicate=2))  # and replicas of it
 
 
-def test_expert_parallelism_runs_over_the_whole_shard_group_with_zero_0_to_2():
+def test_expert_parallelism_runs_over_the_whole_shard_group_with_zero_1_or_2():
     check_parallelism(_dims(ep=2), zero=2)
     with pytest.raises(ValueError, match=r"--parallelism.expert_parallel_degree 2 with data_parallel_shard_degree 4"
                                          r".*set --parallelism.expert_parallel_degree 4"):
         check_parallelism(_dims(ep=2, dp_shard=4), zero=2)
     with pytest.raises(ValueError, match=r"with ZeRO-3 .* add --piper.zero 2"):
         check_parallelism(_dims(ep=2), zero=3)
+    with pytest.raises(ValueError, match=r"with --piper.zero 0: .* use --piper.zero 2"):
+        check_parallelism(_dims(ep=2), zero=0)
     with pytest.raises(ValueError, match=r"pipeline_engine alternate"):
         check_parallelism(_dims(ep=2), zero=2, alternate=True)
 

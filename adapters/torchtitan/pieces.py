@@ -11,7 +11,7 @@ task advances it to its next hand-off; each piece's backward runs alone
 
 Every dense parameter belongs to the first piece ``<s>.0``: the pieces' backwards run last to
 first, so a stage's dense gradients for a microbatch are complete when ``<s>.0``'s backward
-ends, where the plan reduces them (ZeRO 0-2). Invariant: a stage's forward hands off exactly
+ends, where the plan reduces them (ZeRO 1-2). Invariant: a stage's forward hands off exactly
 ``2K`` times, the plan's pieces; anything else stops the step naming the stage.
 """
 from __future__ import annotations

@@ -24,6 +24,7 @@ from torchtitan.tools.logging import logger
 from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, recipes
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
+from piper_plugin.adapters.torchtitan.pieces import routed_layers
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
 from piper_plugin.adapters.torchtitan.resident import simulated_memory_line
 from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
@@ -155,13 +156,12 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     plan, result = compiled.plan, compiled.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
     mesh = shard_mesh(parallel_dims) if zero is not None else None
-    if zero:  # Piper shards the parameters: DTensor faces, before TorchTitan initialises them
-        experts = {n.removeprefix(f"model.stages.{s}.") for r in plan.dag.meta.sharded
-                   for s in [plan.dag.regions[r].stage] for n in plan.dag.regions[r].params}
-        for s in local:  # the experts stay as TorchTitan split them over the ep axis
+    for s in local:  # DTensor faces, before TorchTitan initialises the parameters
+        experts = {n for layer in routed_layers(model_parts[s]) for n in layer} if ep > 1 else set()
+        if zero:  # Piper shards the dense parameters; the experts stay as TorchTitan split them
             shard_faces(model_parts[s], mesh, skip={id(p) for n, p in model_parts[s].named_parameters() if n in experts})
-            if ep > 1:
-                expert_faces(model_parts[s], parallel_dims.get_mesh("ep"), experts)
+        if experts:
+            expert_faces(model_parts[s], parallel_dims.get_mesh("ep"), experts)
     plan_rank = (plan.grid.rank(pp_rank, *divmod(mesh.get_local_rank(mesh.ndim - 1), ep)) if mesh is not None
                  else pp_rank)
     replicas = f" x {dp} data-parallel replicas" if dp > 1 else ""

@@ -57,6 +57,7 @@ class PiperPipelineSchedule:
                                      param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
                                      experts_sharded=experts_sharded)
         self._executor: Executor | None = None
+        self._paused: list = []
         self.trace_dir, self._steps = trace_dir, 0
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
@@ -71,6 +72,11 @@ class PiperPipelineSchedule:
             self._executor = Executor(self.plan, self.program, self.rank, LocalStages(self.parts), self.loss_fn,
                                       specs=self.specs, optimizer_fn=None, config=self.config,
                                       after_task=self._after)
+            # MoE stages' paused forwards (:mod:`.pieces`), each once though it serves several pieces
+            self._paused = list({id(p): p for c in self._executor.state.chunks.values()
+                                 if (p := getattr(c, "paused", None)) is not None}.values())
+            for paused in self._paused:
+                paused.timeout_s = self.config.timeout_s
         return self._executor
 
     def _in_meshes(self, fn: Callable[[], Any]) -> Any:
@@ -113,10 +119,8 @@ class PiperPipelineSchedule:
         executor = self._ensure_executor()
         inputs = self._inputs(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
         self._spmd_context = caller_spmd_context()
-        for chunk in executor.state.chunks.values():  # MoE stages' paused forwards (:mod:`.pieces`)
-            paused = getattr(chunk, "paused", None)
-            if paused is not None:
-                paused.context, paused.timeout_s = self._spmd_context, self.config.timeout_s
+        for paused in self._paused:  # MoE stages' forwards re-enter this step's meshes on their threads
+            paused.context = self._spmd_context
         for roots in self._fsdp.values():
             hold_gradients(roots)
         # every local stage reduces its gradients after its last backward (``_after``)

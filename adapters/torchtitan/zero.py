@@ -73,7 +73,11 @@ def check_parallelism(parallel_dims, zero: int | None = None, alternate: bool = 
     if zero == 3:
         raise ValueError(f"--parallelism.expert_parallel_degree {ep} with ZeRO-3 (--piper.zero 3, or "
                          f"fsdp_reshard_after_forward default / always): the Piper engine runs expert "
-                         f"parallelism with ZeRO 0-2 for now; add --piper.zero 2 (or 1, 0)")
+                         f"parallelism with ZeRO 1-2 for now; add --piper.zero 2 (or 1)")
+    if zero == 0:  # TorchTitan's clipping under EP wants every parameter a DTensor; ZeRO-0 keeps them plain
+        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with --piper.zero 0: TorchTitan's gradient "
+                         f"clipping under expert parallelism needs sharded (DTensor) parameters; use --piper.zero 2 "
+                         f"(or 1)")
 
 
 @contextlib.contextmanager

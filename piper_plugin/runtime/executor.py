@@ -114,6 +114,12 @@ class HostOptimizer:
         pass
 
 
+def _expert_ids(plan: Plan, model: nn.Module) -> set[int]:
+    """Ids of the parameters of the plan's expert-sharded regions (the host split them already)."""
+    names = {n for region in plan.dag.meta.sharded for n in plan.dag.regions[region].params}
+    return {id(p) for n, p in _Named(model).named_parameters() if n in names}
+
+
 class Executor:
     """Rank ``rank`` of ``plan``, over ``model`` (the whole model or, for module regions, what
     ``program.instantiate`` expects). A collective to construct: every rank builds its
@@ -131,10 +137,8 @@ class Executor:
         placement, me = plan.dag.meta.placement, plan.grid.coords(rank)[0]
         hosted = optimizer_fn is None and any(zero >= 1 and placement[region] == me
                                               for region, zero in plan.dag.meta.replicated.items())
-        # experts the host already sharded over the ep axis (as DTensors) stay as they are
-        sharded = {n for region in plan.dag.meta.sharded for n in plan.dag.regions[region].params}
-        experts = {id(p) for n, p in _Named(model).named_parameters() if n in sharded}
-        adopted = unwrap_faces(model, keep=experts) if hosted else {}
+        keep = _expert_ids(plan, model) if hosted and config.experts_sharded else set()  # the host's experts
+        adopted = unwrap_faces(model, keep=keep) if hosted else {}
         self.state = RankState(rank, plan, program, model, loss_fn, optimizer_fn or HostOptimizer,
                                mixed_precision=(config.param_dtype, config.reduce_dtype),
                                experts_sharded=config.experts_sharded)
