@@ -43,8 +43,6 @@ def ep_drop_in(name: str) -> tuple[str, str] | None:
 
 def drop_in(name: str) -> tuple[str, str, int | None] | None:
     """(stock config, schedule key, ZeRO level or None) of a drop-in name; None for other names."""
-    if ep_drop_in(name):
-        return None
     zero = ZERO_DROP_IN.fullmatch(name)
     if zero:
         return zero[1], zero[3] or "1f1b", int(zero[2])

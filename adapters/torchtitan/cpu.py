@@ -325,11 +325,12 @@ class _GlooDist(types.ModuleType):
         shapes = {t.shape for t in [*output_tensor_list, *input_tensor_list]}
         if len(shapes) <= 1 or async_op or dist.get_backend(group) != "gloo":
             return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        sizes = [t.numel() for t in output_tensor_list]
         send = torch.cat([t.reshape(-1) for t in input_tensor_list])
-        recv = send.new_empty(sum(t.numel() for t in output_tensor_list))
-        dist.all_to_all_single(recv, send, output_split_sizes=[t.numel() for t in output_tensor_list],
+        recv = send.new_empty(sum(sizes))
+        dist.all_to_all_single(recv, send, output_split_sizes=sizes,
                                input_split_sizes=[t.numel() for t in input_tensor_list], group=group)
-        for out, got in zip(output_tensor_list, recv.split([t.numel() for t in output_tensor_list])):
+        for out, got in zip(output_tensor_list, recv.split(sizes)):
             out.copy_(got.view(out.shape))
         return None
 
