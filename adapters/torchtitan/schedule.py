@@ -15,13 +15,14 @@ backward, nothing to schedule.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from piper_plugin import Executor, ExecutorConfig, ValueSpec
+from piper_plugin import Executor, ExecutorConfig, ValueSpec, overlap_blocks
 
 from piper_plugin.adapters.torchtitan.program import LocalStages, StageProgram
 from piper_plugin.adapters.torchtitan.fsdp_sync import fsdp_roots, hold_gradients, reduce_gradients
@@ -133,12 +134,18 @@ class PiperPipelineSchedule:
         return None
 
     def _write_trace(self, executor: Executor) -> None:
-        """``--piper.trace``: this rank's measured timeline of the step that just ran."""
+        """``--piper.trace``: this rank's measured timeline of the step that just ran, with its
+        overlap blocks (:func:`~piper_plugin.overlap_blocks`); process rank 0 also writes the
+        plan once (``plan.pkl``, for simulating it beside the measurement)."""
         folder = Path(self.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
         timeline = [[stream, key, start, end] for stream, key, start, end in executor.runner.timeline]
         (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(
-            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline}))
+            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline,
+             "blocks": overlap_blocks(self.plan, self.rank)}))
+        if self._steps == 1 and dist.get_rank() == 0:
+            with open(folder / "plan.pkl", "wb") as f:
+                pickle.dump(self.plan, f)
 
     def eval(self, *args, target=None, losses: list | None = None, arg_mbs=None, kwarg_mbs=None,
              target_mbs=None, **kwargs):

@@ -251,6 +251,7 @@ class Schedule:
             raise DirectiveError(_directive, "", "the DAG is not split yet", "call split(microbatches=N) first")
         placement = self.dag.meta.placement
         added: list[tuple[str, str]] = []
+        blocks: list[tuple[str, ...]] = []
         try:
             for rank, groups in chains.items():
                 resolved = []
@@ -263,6 +264,7 @@ class Schedule:
                                                  "order each rank's own nodes only")
                     if overlap:
                         added += order_pass.overlap_block(self.dag, keys)
+                        blocks.append(tuple(keys))
                     resolved.append(keys)
                 added += order_pass.chain(self.dag, resolved)
             if not self.dag.is_acyclic():
@@ -275,6 +277,7 @@ class Schedule:
         except DirectiveError:
             order_pass.roll_back(self.dag, added)
             raise
+        self.dag.meta.overlaps += tuple(blocks)
         chains_json = {("*" if r is None else str(r)): [g if isinstance(g, (str, dict)) else list(g) for g in gs]
                        for r, gs in chains.items()}
         # Only temporal edges were added and the cycle check above covers them; validate's

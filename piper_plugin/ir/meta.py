@@ -59,6 +59,9 @@ class DagMeta:
     # Schedule (api/schedule.py)
     grid: RankGrid | None = None
     """The rank grid the schedule targets; None on a captured, unscheduled DAG."""
+    overlaps: tuple[tuple[str, ...], ...] = ()
+    """Overlap blocks ordered by ``order`` / ``order_per_rank``: each block's compute node keys
+    (issued together, so one member's communication can run under another's compute)."""
 
     def copy(self) -> "DagMeta":
         """A copy whose maps are new objects (their values are immutable, so shared)."""

@@ -136,53 +136,67 @@ def _align_p2p(dag: DAG, order: list[str]) -> list[tuple[str, str]]:
 
 
 def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
-    """Topological order by earliest start (unit compute, free comm), ties by insertion order.
+    """Topological order by earliest start (unit compute, free comm). At equal starts: comm
+    first, ordered by the position of its last predecessor (as its producers ran: two
+    exchanges ready together follow the compute that made them, so a rank's communication
+    stream follows its compute stream); then compute that feeds an all-to-all (its exchange
+    starts while the next ready task computes: in an overlap block, one member's exchange
+    runs under the other's compute); then other compute; each by insertion order last.
 
-    Orders comm as its producers run. A node's earliest start is final once its last
-    predecessor is ordered, so one Kahn pass whose heap holds (start, insertion index) of the
-    ready nodes gives the order of ranking every node by that pair. Raises CycleError if the
-    DAG has a cycle. Returns the order and the earliest starts.
+    A node's earliest start and last predecessor are final once that predecessor is ordered,
+    so one Kahn pass whose heap holds each ready node's (start, class, last predecessor's
+    position for comm, insertion index) gives the order of ranking every node by that key.
+    Raises CycleError if the DAG has a cycle. Returns the order, the earliest starts and each
+    node's last predecessor's position (-1: none).
     """
     nodes, data_succ, temporal_succ = dag.nodes, dag.data_succ, dag.temporal_succ
     data_pred, temporal_pred = dag.data_pred, dag.temporal_pred
     keys = list(nodes)
     index = {key: i for i, key in enumerate(keys)}
     indegree = {key: len(data_pred[key]) + len(temporal_pred[key]) for key in keys}
-    heap = [(0.0, i) for i, key in enumerate(keys) if not indegree[key]]  # ascending: a heap
+    tie_class = [0 if nodes[key].kind not in COMPUTE  # the tie class: comm, compute feeding an all-to-all, compute
+            else 1 if any(nodes[s].kind == Kind.ALL_TO_ALL for s in data_succ[key]) else 2 for key in keys]
+    heap = [(0.0, tie_class[i], -1, i) for i, key in enumerate(keys) if not indegree[key]]  # ascending: a heap
     start = dict.fromkeys(keys, 0.0)
+    last = dict.fromkeys(keys, -1)
     push, pop = heapq.heappush, heapq.heappop
     order: list[str] = []
     append = order.append
     while heap:
-        t, i = pop(heap)
+        t, tie, _, i = pop(heap)
         key = keys[i]
+        position = len(order)
         append(key)
-        done = t + 1.0 if nodes[key].kind in COMPUTE else t
+        done = t + 1.0 if tie else t
         for succ in chain(data_succ[key], temporal_succ[key]):
             if start[succ] < done:
                 start[succ] = done
             left = indegree[succ] - 1
             indegree[succ] = left
             if not left:
-                push(heap, (start[succ], index[succ]))
+                last[succ] = position
+                j = index[succ]
+                push(heap, (start[succ], tie_class[j], -1 if tie_class[j] else position, j))
     if len(order) != len(nodes):
         dag.topological_order()  # raises CycleError naming a cycle
-    return order, start
+    return order, start, last
 
 
-def _still_asap(dag: DAG, order: list[str], start: dict[str, float], added: list[tuple[str, str]]) -> bool:
+def _still_asap(dag: DAG, order: list[str], start: dict[str, float], last: dict[str, int],
+                added: list[tuple[str, str]]) -> bool:
     """Whether ``order`` is still :func:`_asap_order` of ``dag`` after the edges ``added``.
 
-    It is if each added edge a -> b runs forward in ``order`` and b's earliest start already
-    allows for a (start[b] >= start[a] + a's unit): then no earliest start changes, and the
-    greedy order, whose every pick stays ready, picks the same node at each step.
+    It is if each added edge a -> b runs forward in ``order``, before b's last predecessor,
+    and b's earliest start already allows for a (start[b] >= start[a] + a's unit): then no
+    earliest start or last predecessor changes, and the greedy order, whose every pick stays
+    ready, picks the same node at each step.
     """
     if not added:
         return True
     position = {key: i for i, key in enumerate(order)}
     nodes = dag.nodes
     for a, b in added:
-        if position[a] > position[b] or start[b] < start[a] + (1.0 if nodes[a].is_compute else 0.0):
+        if position[a] >= last[b] or start[b] < start[a] + (1.0 if nodes[a].is_compute else 0.0):
             return False
     return True
 
@@ -201,13 +215,13 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
     if dag.meta.microbatches is None:
         raise PlanError("the schedule is not split: call split(microbatches=N) before compiling")
     dag = dag.copy()
-    order, start = _asap_order(dag)
+    order, start, last = _asap_order(dag)
     if _gather_prefetch(dag, order):
-        order, start = _asap_order(dag)
+        order, start, last = _asap_order(dag)
     added = _align_p2p(dag, order)
     try:
-        if not _still_asap(dag, order, start, added):
-            order, start = _asap_order(dag)
+        if not _still_asap(dag, order, start, last, added):
+            order, start, last = _asap_order(dag)
     except ValueError as exc:
         raise PlanError(f"P2P alignment is impossible: a receiver needs messages in another order "
                         f"than its sender sends them ({exc})") from None
