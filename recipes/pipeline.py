@@ -41,8 +41,15 @@ def _group(kind: str, stage: int, mb: int, split_backward: bool) -> list[str]:
     return [f"stage={stage},kind={kind},mb={mb}"]
 
 
+def _pairable(pairs: str, stage: int, mb: int, nxt: tuple[str, int, int]) -> bool:
+    """Whether an action and the next one form an overlap block: ``"FB"`` (DualPipeV) a forward and
+    the backward of another stage after it; ``"BF"`` (interleaved 1F1B) a backward and the forward
+    of another stage or microbatch after it."""
+    return nxt[1] != stage if pairs == "FB" else (nxt[1], nxt[2]) != (stage, mb)
+
+
 def _apply_orders(sch: Schedule, orders: list[list[tuple[str, int, int]]], split_backward: bool,
-                  overlap_pairs: bool = False) -> Schedule:
+                  overlap_pairs: str = "") -> Schedule:
     chains = {}
     for rank, actions in enumerate(orders):
         groups: list = []
@@ -50,7 +57,7 @@ def _apply_orders(sch: Schedule, orders: list[list[tuple[str, int, int]]], split
         while i < len(actions):
             kind, stage, mb = actions[i]
             nxt = actions[i + 1] if i + 1 < len(actions) else None
-            if overlap_pairs and kind == "F" and nxt and nxt[0] == "B" and nxt[1] != stage:
+            if overlap_pairs and nxt and kind + nxt[0] == overlap_pairs and _pairable(overlap_pairs, stage, mb, nxt):
                 groups.append({"overlap": _group(kind, stage, mb, split_backward) + _group(*nxt, split_backward)})
                 i += 2
                 continue
@@ -72,12 +79,16 @@ def one_f_one_b(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes
 
 def interleaved_1f1b(sch: Schedule, *, microbatches: int, chunks: int = 2, zero: int = 0,
                      bucket_bytes: int | None = None) -> Schedule:
+    """Megatron's interleaved 1F1B. With expert parallelism each steady-state backward and the
+    forward after it form an overlap block, so one microbatch's all-to-alls run under the other's
+    compute. (Plain 1F1B gets no blocks: a block waits for both members' inputs, and 1F1B's
+    forward must not wait for the backward's gradient; simulated, blocks make it slower.)"""
     _prepare(sch, "interleaved-1f1b", chunks, "loop", microbatches, zero, bucket_bytes, False)
     try:
         orders = _orders.interleaved_1f1b(sch.grid.pp, chunks, microbatches)
     except ValueError as exc:
         raise DirectiveError("interleaved-1f1b", f"microbatches={microbatches}", str(exc)) from None
-    return _apply_orders(sch, orders, False)
+    return _apply_orders(sch, orders, False, overlap_pairs="BF" if sch.grid.ep > 1 else "")
 
 
 def zb_h1(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int | None = None) -> Schedule:
@@ -99,7 +110,7 @@ def dualpipev(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: 
     except ValueError as exc:
         raise DirectiveError("dualpipev", f"microbatches={microbatches}", str(exc)) from None
     _prepare(sch, "dualpipev", 2, "v", microbatches, zero, bucket_bytes, True)
-    return _apply_orders(sch, orders, True, overlap_pairs=sch.grid.ep > 1)
+    return _apply_orders(sch, orders, True, overlap_pairs="FB" if sch.grid.ep > 1 else "")
 
 
 RECIPES: dict[str, Callable[..., Schedule]] = {
