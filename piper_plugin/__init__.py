@@ -15,7 +15,8 @@ nothing else from the engine.
 - compile: :func:`compile` / :func:`compile_program` -> :class:`Compiled` (program, schedule,
   plan, simulation); its steps: :func:`build_plan` -> :class:`Plan`, :func:`simulate` ->
   :class:`SimResult`; a run's measured timelines as a result of the same kind:
-  :func:`measured_result`, and the cost model they imply: :func:`measured_costs`; overlap
+  :func:`measured_result`, and the cost model they imply: :func:`measured_costs`, drawn beside
+  the simulation by :func:`write_trace` (Chrome trace and timeline PNGs); overlap
   blocks in a measured timeline: :func:`overlap_blocks` (a plan rank's blocks) and
   :func:`block_overlap` (how much of each member's communication ran under another's compute)
 - run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig` (it checks
@@ -52,7 +53,7 @@ from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.launch.processes import WorkerFailed
 from piper_plugin.runtime.launch.ray_actors import start_ray
 from piper_plugin.training import RunResult, run
-from piper_plugin.train_report import measured_costs, measured_result
+from piper_plugin.train_report import measured_costs, measured_result, write_trace
 from piper_plugin.overlap_report import block_overlap, overlap_blocks
 from piper_plugin.cli_args import UsageError
 
@@ -62,7 +63,7 @@ __all__ = [
     "Schedule", "DirectiveError",
     "recipes",
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
-    "measured_result", "measured_costs", "overlap_blocks", "block_overlap",
+    "measured_result", "measured_costs", "write_trace", "overlap_blocks", "block_overlap",
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
     "Job", "Worker", "run", "RunResult", "start_ray",
