@@ -108,8 +108,9 @@ def _trace_figures(trace: Path, link_bits: float, args, name: str) -> dict:
     members = [m for r in ranks for block in block_overlap(r["blocks"], r["timeline"]) for m in block]
     exchanges = [sum(e - s for _, key, s, e in r["timeline"] if "ALL_TO_ALL" in key) for r in ranks]
     comm = sum(m["comm_s"] for m in members)
-    out = Path(args.out).parent if args.out else Path(__file__).resolve().parent / "results"
-    pictures = write_trace(out / f"ep_overlap_{name}", plan, measured, simulated, name)
+    results = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "ep_overlap.md"
+    out = results.parent
+    pictures = write_trace(out / f"{results.stem}_{name}", plan, measured, simulated, name)
     return {"measured_bubble": measured.bubble_fraction, "simulated_bubble": simulated.bubble_fraction,
             "measured_step": measured.step_time, "simulated_step": simulated.step_time,
             "hidden": sum(m["hidden_s"] for m in members) / comm if comm else None,

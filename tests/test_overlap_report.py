@@ -63,3 +63,30 @@ def test_without_overlap_blocks_there_is_nothing_to_report():
     plan = _moe_plan("1f1b")
     assert not plan.dag.meta.overlaps
     assert all(overlap_blocks(plan, rank) == [] for rank in range(plan.grid.world_size))
+
+
+def _pairs_plan(recipe: str, pairs: str):
+    """``recipe`` (toy MoE, pp 2 x ep 2, 8 microbatches) with the given overlap pairing."""
+    from piper_plugin.recipes import orders, pipeline
+
+    stages = stages_needed(recipe, 2)
+    with torch.device("meta"):
+        model, cfg = TOY_MODELS["toy-moe"](stages=stages, layers=stages)
+    tokens, targets = lm_batch(cfg, 16)
+    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=2, dp=1, ep=2)
+    chunks = 2 if recipe == "interleaved-1f1b" else 1
+    pipeline._prepare(sch, recipe, chunks, "loop", 8, 0, None, False)
+    actions = orders.interleaved_1f1b(2, 2, 8) if chunks == 2 else orders.one_f_one_b(2, 8)
+    return build_plan(pipeline._apply_orders(sch, actions, False, overlap_pairs=pairs).dag, sch.grid)
+
+
+@pytest.mark.parametrize("latency", [0.25, 1.0])
+def test_block_choices_of_the_1f1b_recipes_pay_off_in_simulation(latency):
+    """With exchanges of a quarter to one forward, interleaved 1F1B's backward/forward blocks
+    (its recipe's choice with EP) shorten the step; the same blocks lengthen plain 1F1B's (whose
+    recipe makes none)."""
+    cost = CostModel(F=1, B=2, BI=1, BW=1, latency=latency)
+    step = {(recipe, pairs): simulate(_pairs_plan(recipe, pairs), cost).step_time
+            for recipe in ("interleaved-1f1b", "1f1b") for pairs in ("", "BF")}
+    assert step["interleaved-1f1b", "BF"] < step["interleaved-1f1b", ""]
+    assert step["1f1b", "BF"] > step["1f1b", ""]

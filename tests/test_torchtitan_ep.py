@@ -56,3 +56,12 @@ def test_expert_parallel_dualpipev_matches_torchtitan_for_10_steps(tmp_path):
         members = [m for block in blocks for m in block if m["comm_s"] > 0]
         assert members, (rank, trace_of_rank["blocks"])
         assert all(m["hidden_s"] > 0 for m in members), (rank, blocks)
+    # what benchmarks.ep_overlap reads from such a trace: bubbles, the hidden share, pictures
+    from types import SimpleNamespace
+
+    from benchmarks.ep_overlap import _trace_figures
+
+    figures = _trace_figures(trace, 1e9, SimpleNamespace(out=tmp_path / "results" / "ep_overlap.md"), "dualpipev")
+    assert 0 < figures["measured_bubble"] < 1 and 0 <= figures["simulated_bubble"] < 1, figures
+    assert 0 < figures["hidden"] <= 1 and 0 < figures["exchange_share"] < 1, figures
+    assert all((tmp_path / "results" / p).stat().st_size > 0 for p in figures["pictures"]), figures

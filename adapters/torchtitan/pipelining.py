@@ -9,7 +9,6 @@ exactly as TorchTitan places them). Every rank compiles the same plan and checks
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable
 
 import torch
@@ -24,6 +23,7 @@ from torchtitan.tools.logging import logger
 from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, recipes
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
+from piper_plugin.adapters.torchtitan.flags import FlagError, one_line_errors
 from piper_plugin.adapters.torchtitan.pieces import routed_layers
 from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden_name
 from piper_plugin.adapters.torchtitan.resident import simulated_memory_line
@@ -52,8 +52,8 @@ RECIPE_OF_SCHEDULE = {
 def recipe_for(schedule: str) -> str:
     name = schedule.lower()
     if name not in RECIPE_OF_SCHEDULE:
-        raise ValueError(f"pipeline_parallel_schedule {schedule!r} has no Piper recipe; use one of "
-                         f"{sorted(RECIPE_OF_SCHEDULE)} or pass --piper.recipe")
+        raise FlagError(f"pipeline_parallel_schedule {schedule!r} has no Piper recipe; use one of "
+                        f"{sorted(RECIPE_OF_SCHEDULE)} or pass --piper.recipe")
     return RECIPE_OF_SCHEDULE[name]
 
 
@@ -63,7 +63,7 @@ def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: in
     try:
         loaded = recipes.load(recipe)
     except recipes.RecipeError as exc:
-        raise ValueError(f"--piper.recipe: {exc}") from None
+        raise FlagError(f"--piper.recipe: {exc}") from None
     chunks = max(1, stages // pp)
     buckets = bucket_bytes if loaded.builtin else None  # a user's recipe or trace sets its own
     return loaded.name, lambda program: loaded.schedule(program, pp=pp, dp=dp, ep=ep, microbatches=microbatches,
@@ -73,9 +73,9 @@ def _schedule_fn(recipe: str, *, pp: int, microbatches: int, stages: int, dp: in
 def _compile(program, schedule_fn, world: int, split_last_backward: bool):
     compiled = compile_program(program, schedule_fn, split_last_backward=split_last_backward)
     if compiled.plan.grid.world_size != world:
-        raise ValueError(f"the Piper schedule needs {compiled.plan.grid.world_size} ranks but the pipeline x "
-                         f"data_parallel_shard_degree has {world}: a --piper.recipe trace fixes its own grid; "
-                         f"record it for this mesh")
+        raise FlagError(f"the Piper schedule needs {compiled.plan.grid.world_size} ranks but the pipeline x "
+                        f"data_parallel_shard_degree has {world}: a --piper.recipe trace fixes its own grid; "
+                        f"record it for this mesh")
     return compiled  # its plan hash is the same in every process
 
 
@@ -90,17 +90,17 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
     ep = parallel_dims.ep  # experts over the shards (check_parallelism): the grid's ep axis
     if ep > 1 and ac_config is not None:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with activation checkpointing under the Piper "
-                         f"engine: a recomputed MoE layer would exchange its tokens again inside the backward; "
-                         f"end the command with activation-checkpoint:none")
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} with activation checkpointing under the Piper "
+                        f"engine: a recomputed MoE layer would exchange its tokens again inside the backward; "
+                        f"end the command with activation-checkpoint:none")
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         num_stages, num_layers, input_weight, output_weight)
     num_stages = len(fqns)
     mbs = parallelism.pipeline_parallel_microbatch_size
     if training.local_batch_size % mbs:
-        raise ValueError(f"local_batch_size {training.local_batch_size} is not a multiple of "
-                         f"pipeline_parallel_microbatch_size {mbs}")
+        raise FlagError(f"local_batch_size {training.local_batch_size} is not a multiple of "
+                        f"pipeline_parallel_microbatch_size {mbs}")
     microbatches = training.local_batch_size // mbs
     recipe = getattr(options, "recipe", None) or recipe_for(parallelism.pipeline_parallel_schedule)
     bucket_mb = getattr(options, "bucket_mb", None)
@@ -121,13 +121,16 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     if ep > 1:  # MoE stages as pieces around their expert all-to-alls (:mod:`.pieces`)
         program = build_stage_program(parts, **sizes, routed=True)  # experts whole: not yet split
         if not program.dag.meta.routed:
-            raise ValueError(f"--parallelism.expert_parallel_degree {ep}: {type(model).__name__} has no routed-expert "
-                             f"(MoE) layer to split over ranks; set --parallelism.expert_parallel_degree 1")
+            raise FlagError(f"--parallelism.expert_parallel_degree {ep}: {type(model).__name__} has no routed-expert "
+                            f"(MoE) layer to split over ranks; set --parallelism.expert_parallel_degree 1")
+        check_expert_split(program, ep)
     try:
         plan = _compile(program, schedule_fn, pp * shards, split_last_backward).plan
     except (DirectiveError, recipes.RecipeError) as exc:
-        raise ValueError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
-                         f"(pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule}): {exc}") from None
+        raise FlagError(f"Piper recipe {label!r} does not fit {num_stages} stages on pp={pp} "
+                        f"(--parallelism.pipeline_parallel_schedule {parallelism.pipeline_parallel_schedule}): {exc}; "
+                        f"under TorchTitan the stages come from --parallelism.pipeline_parallel_layers_per_stage or "
+                        f"--parallelism.module_fqns_per_model_part") from None
     pp_rank = parallel_dims.get_mesh("pp").get_local_rank()
     placement = plan.dag.meta.placement
     local = sorted({plan.dag.regions[r].stage for r, rank in placement.items() if rank == pp_rank})
@@ -207,5 +210,22 @@ def _replicas(parallel_dims) -> list[list[int]]:
 
 
 def make_pipelining_fn(options=None, alternate: bool = False) -> Callable[..., Any]:
-    """A ``ModelSpec.pipelining_fn`` running Piper with ``options`` (``PiperOptions``)."""
-    return functools.partial(pipeline_with_piper, options=options, alternate=alternate)
+    """A ``ModelSpec.pipelining_fn`` running Piper with ``options`` (``PiperOptions``); a flag it
+    refuses ends the process in one line (:mod:`.flags`; caught here, inside TorchTitan's
+    ``Trainer.__init__``, whose elastic ``record`` would write the traceback for torchrun)."""
+    def pipelining_fn(*args, **kwargs):
+        with one_line_errors():
+            return pipeline_with_piper(*args, options=options, alternate=alternate, **kwargs)
+    return pipelining_fn
+
+
+def check_expert_split(program, ep: int) -> None:
+    """Each MoE layer's experts split evenly over the ``ep`` ranks (each holds ``experts / ep``)."""
+    meta = program.dag.meta
+    counts = sorted({meta.param_shapes[name][0] for region in meta.routed for name in program.dag.regions[region].params})
+    uneven = [n for n in counts if n % ep]
+    if uneven:
+        divisors = [d for d in range(2, uneven[0] + 1) if all(n % d == 0 for n in counts)]
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} does not divide the {uneven[0]} experts of a MoE "
+                       f"layer (each rank holds experts / degree of them); set it to one of {divisors}, with "
+                       f"--parallelism.data_parallel_shard_degree the same")

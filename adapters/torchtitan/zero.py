@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from piper_plugin.adapters.torchtitan.flags import FlagError
+
 __all__ = ["zero_level", "check_parallelism", "withhold_fsdp", "check_withheld", "shard_faces", "shard_mesh",
            "expert_faces",
            "plan_replicas"]
@@ -36,13 +38,13 @@ def zero_level(parallelism, options, shard_degree: int) -> int | None:
     level = getattr(options, "zero", None)
     if shard_degree <= 1:
         if level is not None:
-            raise ValueError(f"--piper.zero {level} needs --parallelism.data_parallel_shard_degree > 1 (the ranks "
-                             f"ZeRO shards over); drop --piper.zero or set the shard degree")
+            raise FlagError(f"--piper.zero {level} needs --parallelism.data_parallel_shard_degree > 1 (the ranks "
+                            f"ZeRO shards over); drop --piper.zero or set the shard degree")
         return None
     if level is None:
         return _LEVEL_OF_RESHARD[parallelism.fsdp_reshard_after_forward]
     if level not in (0, 1, 2, 3):
-        raise ValueError(f"--piper.zero {level}: the ZeRO level is 0, 1, 2 or 3")
+        raise FlagError(f"--piper.zero {level}: the ZeRO level is 0, 1, 2 or 3")
     return level
 
 
@@ -54,30 +56,30 @@ def check_parallelism(parallel_dims, zero: int | None = None, alternate: bool = 
         ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp)) if degree > 1]
     if unsupported:
         flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
-        raise ValueError(f"{flags}: the Piper engine runs pipeline x data x expert parallelism (ZeRO over "
-                         f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree, experts over "
-                         f"expert_parallel_degree); set "
-                         f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
-                         f"--parallelism.pipeline_engine torch")
+        raise FlagError(f"{flags}: the Piper engine runs pipeline x data x expert parallelism (ZeRO over "
+                        f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree, experts over "
+                        f"expert_parallel_degree); set "
+                        f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
+                        f"--parallelism.pipeline_engine torch")
     ep = parallel_dims.ep
     if ep <= 1:
         return
     if alternate:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with --parallelism.pipeline_engine alternate: "
-                         f"the two engines dispatch experts differently; compare them in two runs (piper, torch)")
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} with --parallelism.pipeline_engine alternate: "
+                        f"the two engines dispatch experts differently; compare them in two runs (piper, torch)")
     if ep != parallel_dims.dp_shard:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with data_parallel_shard_degree "
-                         f"{parallel_dims.dp_shard}: the Piper engine shards experts over the whole shard group "
-                         f"(each expert on one rank); set --parallelism.expert_parallel_degree "
-                         f"{parallel_dims.dp_shard} or use --parallelism.pipeline_engine torch")
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} with data_parallel_shard_degree "
+                        f"{parallel_dims.dp_shard}: the Piper engine shards experts over the whole shard group "
+                        f"(each expert on one rank); set --parallelism.expert_parallel_degree "
+                        f"{parallel_dims.dp_shard} or use --parallelism.pipeline_engine torch")
     if zero == 3:
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with ZeRO-3 (--piper.zero 3, or "
-                         f"fsdp_reshard_after_forward default / always): the Piper engine runs expert "
-                         f"parallelism with ZeRO 1-2 for now; add --piper.zero 2 (or 1)")
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} with ZeRO-3 (--piper.zero 3, or "
+                        f"fsdp_reshard_after_forward default / always): the Piper engine runs expert "
+                        f"parallelism with ZeRO 1-2 for now; add --piper.zero 2 (or 1)")
     if zero == 0:  # TorchTitan's clipping under EP wants every parameter a DTensor; ZeRO-0 keeps them plain
-        raise ValueError(f"--parallelism.expert_parallel_degree {ep} with --piper.zero 0: TorchTitan's gradient "
-                         f"clipping under expert parallelism needs sharded (DTensor) parameters; use --piper.zero 2 "
-                         f"(or 1)")
+        raise FlagError(f"--parallelism.expert_parallel_degree {ep} with --piper.zero 0: TorchTitan's gradient "
+                        f"clipping under expert parallelism needs sharded (DTensor) parameters; use --piper.zero 2 "
+                        f"(or 1)")
 
 
 @contextlib.contextmanager
@@ -119,21 +121,21 @@ def check_withheld(calls: list[dict[str, Any]], training: Any, part: nn.Module,
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(m, FSDPModule) for m in part.modules()):
-        raise ValueError("this model's parallelize_fn applied FSDP in a way Piper cannot take over; run "
-                         "--parallelism.data_parallel_shard_degree with --parallelism.pipeline_engine torch")
+        raise FlagError("this model's parallelize_fn applied FSDP in a way Piper cannot take over; run "
+                        "--parallelism.data_parallel_shard_degree with --parallelism.pipeline_engine torch")
     dtype = next((p.dtype for p in part.parameters()), torch.float32)
     wanted = reduce = None
     for kwargs in calls:
         if kwargs.get("offload_policy") is not None:
-            raise ValueError("--training.enable_cpu_offload with the Piper engine's ZeRO: not supported; turn it off")
+            raise FlagError("--training.enable_cpu_offload with the Piper engine's ZeRO: not supported; turn it off")
         policy = kwargs.get("mp_policy")
         wanted = getattr(policy, "param_dtype", None) or wanted
         reduce = getattr(policy, "reduce_dtype", None) or reduce
     if wanted is not None and wanted != dtype and zero == 0:
-        raise ValueError(f"--training.mixed_precision_param {training.mixed_precision_param} with --piper.zero 0: "
-                         f"Piper computes in the master weights' dtype without shards; use --piper.zero 1, 2 or 3 "
-                         f"(bf16 compute copies of fp32 shards) or --training.mixed_precision_param "
-                         f"{str(dtype).removeprefix('torch.')}")
+        raise FlagError(f"--training.mixed_precision_param {training.mixed_precision_param} with --piper.zero 0: "
+                        f"Piper computes in the master weights' dtype without shards; use --piper.zero 1, 2 or 3 "
+                        f"(bf16 compute copies of fp32 shards) or --training.mixed_precision_param "
+                        f"{str(dtype).removeprefix('torch.')}")
     return (wanted if wanted != dtype else None), (reduce if reduce != dtype else None)
 
 
