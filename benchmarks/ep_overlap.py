@@ -8,7 +8,8 @@ namespace, side by side in one job, real ``torchtitan.train`` runs of the deepse
 (pp 2 x data_parallel_shard_degree 2 x expert_parallel_degree 2, 4 ranks): Piper's DualPipeV,
 1F1B and Interleaved1F1B (ZeRO-2 for the dense part; the expert all-to-alls as the plan's
 ALL_TO_ALL nodes) and TorchTitan's own DualPipeV and 1F1B (FSDP, reshard ``never``), same
-seed, data and flags. Per cell: TorchTitan's logged tokens/s (median over the steps after
+seed, data and flags (``--balanced-v``: DualPipeV on a stage split that balances the MoE layers
+over the V's rank pairs, for both engines). Per cell: TorchTitan's logged tokens/s (median over the steps after
 ``--warmup``, mean over ranks), its ratio to Piper 1F1B; for Piper's cells, from the measured
 trace of the last step (``--piper.trace``): the measured bubble (1 - compute / step span, mean
 over ranks), the bubble the simulator gives the same plan at the measured task times with the
@@ -78,9 +79,17 @@ def bits_per_second(rate: str) -> float:
     raise SystemExit(f"piper: error: --rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit")
 
 
+# DualPipeV's V puts stages 0 and 3 on one rank pair, 1 and 2 on the other: TorchTitan's even split
+# ([embeddings, layer 0], [1, 2], [3, 4], [5, norm, output]) gives that pair four of the five MoE
+# layers; this one gives the pairs two and three, as 1F1B's and Interleaved1F1B's even splits do
+BALANCED_V = ["tok_embeddings layers.0", "layers.1 layers.2", "layers.3", "layers.4 layers.5 norm output"]
+
+
 def run_cell(engine: str, schedule: str, args, folder: Path) -> dict:
     trace = folder / f"{engine}-{schedule}-trace"
     extra = [*cell_flags(schedule, args.seq_len)]
+    if schedule == "DualPipeV" and args.balanced_v:
+        extra += ["--parallelism.module_fqns_per_model_part", *BALANCED_V]
     if engine == "piper":
         extra += ["--piper.zero", str(args.zero), "--piper.trace", str(trace)]
     run = run_titan(CONFIG, engine, dump_folder=folder / f"{engine}-{schedule}", nproc=4, steps=args.steps,
@@ -127,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "reshard never does; 2 reduce-scatters per microbatch)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the tokens/s median")
+    parser.add_argument("--balanced-v", action="store_true",
+                        help="DualPipeV (both engines) on a stage split that gives each rank pair 2-3 MoE layers "
+                             "instead of TorchTitan's even split (1 and 4)")
     parser.add_argument("--cells", nargs="+", default=[f"{e}:{s}" for e, s in CELLS],
                         choices=[f"{e}:{s}" for e, s in CELLS], help="engine:schedule, Piper 1F1B included")
     parser.add_argument("--timeout", type=float, default=1200)
@@ -164,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
         f"namespace), 4 ranks started by "
         f"torchrun with 1 torch thread each; {version}\n\n"
         f"{CONFIG}, pp 2 x data_parallel_shard_degree 2 x expert_parallel_degree 2, {args.seq_len} tokens per "
-        f"microbatch, 4 microbatches, {args.steps} steps (tokens/s: median of steps {args.warmup + 1}-{args.steps} "
+        f"microbatch, 4 microbatches"
+        f"{', DualPipeV stages ' + ' | '.join(BALANCED_V) if args.balanced_v else ''}, {args.steps} steps (tokens/s: median of steps {args.warmup + 1}-{args.steps} "
         f"as TorchTitan logs them, mean over ranks). Bubbles and the all-to-all share are of the last step's measured "
         f"trace; the simulation runs the same plan at the measured task times with messages at {args.rate} (their "
         f"sizes as the plan estimates them). 4 ranks share 2 cores: every figure here is limited by the core count.\n\n"
