@@ -79,17 +79,20 @@ def bits_per_second(rate: str) -> float:
     raise SystemExit(f"piper: error: --rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit")
 
 
-# DualPipeV's V puts stages 0 and 3 on one rank pair, 1 and 2 on the other: TorchTitan's even split
-# ([embeddings, layer 0], [1, 2], [3, 4], [5, norm, output]) gives that pair four of the five MoE
-# layers; this one gives the pairs two and three, as 1F1B's and Interleaved1F1B's even splits do
-BALANCED_V = ["tok_embeddings layers.0", "layers.1 layers.2", "layers.3", "layers.4 layers.5 norm output"]
+# DualPipeV's V puts stages 0 and 3 on one rank pair, 1 and 2 on the other. TorchTitan's split, which
+# counts the embeddings and the head as a layer each, gives the pairs [embeddings, 0] + [5, head] and
+# [1, 2] + [3, 4]: one MoE layer against four. Counting neither (its two flags below) gives
+# [embeddings, 0, 1] + [5, head] and [2, 3] + [4]: two against three, as 1F1B's and Interleaved1F1B's
+# splits give their ranks.
+BALANCED_V = ["--parallelism.pipeline_parallel_first_stage_less_layers", "0",
+              "--parallelism.pipeline_parallel_last_stage_less_layers", "0"]
 
 
 def run_cell(engine: str, schedule: str, args, folder: Path) -> dict:
     trace = folder / f"{engine}-{schedule}-trace"
     extra = [*cell_flags(schedule, args.seq_len)]
     if schedule == "DualPipeV" and args.balanced_v:
-        extra += ["--parallelism.module_fqns_per_model_part", *BALANCED_V]
+        extra += BALANCED_V
     if engine == "piper":
         extra += ["--piper.zero", str(args.zero), "--piper.trace", str(trace)]
     run = run_titan(CONFIG, engine, dump_folder=folder / f"{engine}-{schedule}", nproc=4, steps=args.steps,
@@ -177,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
         f"torchrun with 1 torch thread each; {version}\n\n"
         f"{CONFIG}, pp 2 x data_parallel_shard_degree 2 x expert_parallel_degree 2, {args.seq_len} tokens per "
         f"microbatch, 4 microbatches"
-        f"{', DualPipeV stages ' + ' | '.join(BALANCED_V) if args.balanced_v else ''}, {args.steps} steps (tokens/s: median of steps {args.warmup + 1}-{args.steps} "
+        f"{', DualPipeV with ' + ' '.join(BALANCED_V) + ' (stages [embeddings, 0, 1], [2, 3], [4], [5, head])' if args.balanced_v else ''}, {args.steps} steps (tokens/s: median of steps {args.warmup + 1}-{args.steps} "
         f"as TorchTitan logs them, mean over ranks). Bubbles and the all-to-all share are of the last step's measured "
         f"trace; the simulation runs the same plan at the measured task times with messages at {args.rate} (their "
         f"sizes as the plan estimates them). 4 ranks share 2 cores: every figure here is limited by the core count.\n\n"

@@ -135,7 +135,7 @@ def _align_p2p(dag: DAG, order: list[str]) -> list[tuple[str, str]]:
     return added
 
 
-def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
+def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float], dict[str, int]]:
     """Topological order by earliest start (unit compute, free comm). At equal starts: comm
     first, ordered by the position of its last predecessor (as its producers ran: two
     exchanges ready together follow the compute that made them, so a rank's communication
@@ -154,8 +154,9 @@ def _asap_order(dag: DAG) -> tuple[list[str], dict[str, float]]:
     keys = list(nodes)
     index = {key: i for i, key in enumerate(keys)}
     indegree = {key: len(data_pred[key]) + len(temporal_pred[key]) for key in keys}
-    tie_class = [0 if nodes[key].kind not in COMPUTE  # the tie class: comm, compute feeding an all-to-all, compute
-            else 1 if any(nodes[s].kind == Kind.ALL_TO_ALL for s in data_succ[key]) else 2 for key in keys]
+    # the tie class: 0 comm, 1 compute feeding an all-to-all, 2 other compute
+    tie_class = [0 if nodes[key].kind not in COMPUTE else
+                 1 if any(nodes[s].kind == Kind.ALL_TO_ALL for s in data_succ[key]) else 2 for key in keys]
     heap = [(0.0, tie_class[i], -1, i) for i, key in enumerate(keys) if not indegree[key]]  # ascending: a heap
     start = dict.fromkeys(keys, 0.0)
     last = dict.fromkeys(keys, -1)
