@@ -41,12 +41,12 @@ def cell_flags(schedule: str, seq_len: int = 2) -> list[str]:
             "--parallelism.fsdp_reshard_after_forward", "never"]
 
 
-def run_cell(schedule: str, steps: int, folder: Path, seq_len: int = 2):
+def run_cell(schedule: str, steps: int, folder: Path, seq_len: int = 2, config: str = CONFIG):
     """(TorchTitan's run, Piper's run) of one schedule."""
     flags, tail = cell_flags(schedule, seq_len), ["activation-checkpoint:none"]
-    reference = run_titan(CONFIG, "torch", dump_folder=folder / f"{schedule}-torch", nproc=4, steps=steps,
+    reference = run_titan(config, "torch", dump_folder=folder / f"{schedule}-torch", nproc=4, steps=steps,
                           extra=[*flags, *tail], timeout_s=1200)
-    piper = run_titan(CONFIG, "piper", dump_folder=folder / f"{schedule}-piper", nproc=4, steps=steps,
+    piper = run_titan(config, "piper", dump_folder=folder / f"{schedule}-piper", nproc=4, steps=steps,
                       extra=[*flags, "--piper.zero", "2", *tail], timeout_s=1200)
     return reference, piper
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ep_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--seq-len", type=int, default=2)
+    parser.add_argument("--config", default=CONFIG, help="any TorchTitan MoE config (e.g. qwen3_moe_debug)")
     add_parity_args(parser, "ep_parity")
     return parser
 
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ep_parity_") as tmp:
         for schedule in args.schedules:
-            row = dict(schedule=schedule, **compare(*run_cell(schedule, args.steps, Path(tmp), args.seq_len),
+            row = dict(schedule=schedule, **compare(*run_cell(schedule, args.steps, Path(tmp), args.seq_len, args.config),
                                                     args.tolerance))
             rows.append(row)
             print(f"{schedule}: {cell_line(row)}", flush=True)
@@ -78,10 +79,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         f"Command: `{command_line('ep_parity', args, parser)}`  \n"
         f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, gloo, 4 ranks "
         f"started by torchrun with 1 torch thread each; {version}\n\n"
-        f"Worst relative difference over {args.steps} steps from TorchTitan's own engine on {CONFIG} (pp 2 x "
+        f"Worst relative difference over {args.steps} steps from TorchTitan's own engine on {args.config} (pp 2 x "
         f"data_parallel_shard_degree 2 x expert_parallel_degree 2; Piper ZeRO-2 for the dense part, TorchTitan FSDP "
-        f"with reshard `never`; {args.seq_len} tokens per microbatch, top-3 of 8 experts: experts left empty in "
-        f"every microbatch), as TorchTitan logs them (loss 5 decimals, grad norm 4), tolerance "
+        f"with reshard `never`; {args.seq_len} tokens per microbatch"
+        f"{', top-3 of 8 experts: experts left empty in every microbatch' if args.config == CONFIG else ''}), "
+        f"as TorchTitan logs them (loss 5 decimals, grad norm 4), tolerance "
         f"{args.tolerance:g}.\n\n{table}\n"))
     return rows
 
