@@ -122,7 +122,7 @@ def _trace_figures(trace: Path, link_bits: float, args, name: str) -> dict:
     comm = sum(m["comm_s"] for m in members)
     results = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "ep_overlap.md"
     out = results.parent
-    pictures = write_trace(out / f"{results.stem}_{name}", plan, measured, simulated, name)
+    pictures = write_trace(out / f"{results.stem}_{name}", plan, measured, simulated, name, simulated_in_seconds=True)
     return {"measured_bubble": measured.bubble_fraction, "simulated_bubble": simulated.bubble_fraction,
             "measured_step": measured.step_time, "simulated_step": simulated.step_time,
             "hidden": sum(m["hidden_s"] for m in members) / comm if comm else None,

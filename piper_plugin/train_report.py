@@ -146,8 +146,10 @@ def measured_costs(plan, measured: SimResult):
     return CostModel(per_task={task: statistics.fmean(times) for task, times in durations.items()})
 
 
-def write_trace(directory: Path, plan, measured: SimResult, simulated: SimResult, name: str) -> list[Path]:
-    """``trace.json`` (measured Chrome/Perfetto trace), ``timeline.png`` (measured), ``simulated.png``."""
+def write_trace(directory: Path, plan, measured: SimResult, simulated: SimResult, name: str,
+                simulated_in_seconds: bool = False) -> list[Path]:
+    """``trace.json`` (measured Chrome/Perfetto trace), ``timeline.png`` (measured), ``simulated.png``
+    (in units of a forward, or in seconds when ``simulated_in_seconds``: a measured cost model)."""
     from piper_plugin.scheduler import export
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -161,9 +163,10 @@ def write_trace(directory: Path, plan, measured: SimResult, simulated: SimResult
     export.timeline_png(plan, _split_p2p_rows(plan, measured), paths[1], time_label="time (ms)", time_scale=1e3,
                         title=f"measured last step, {head}: {measured.step_time * 1e3:.1f} ms, "
                               f"bubble {measured.bubble_fraction:.1%}")
-    export.timeline_png(plan, simulated, paths[2], time_label="time (F = 1)",
-                        title=f"simulated, {head}: step {simulated.step_time:.4g} units, "
-                              f"bubble {simulated.bubble_fraction:.1%}")
+    step = f"{simulated.step_time * 1e3:.1f} ms" if simulated_in_seconds else f"{simulated.step_time:.4g} units"
+    export.timeline_png(plan, simulated, paths[2], time_label="time (ms)" if simulated_in_seconds else "time (F = 1)",
+                        time_scale=1e3 if simulated_in_seconds else 1.0,
+                        title=f"simulated, {head}: step {step}, bubble {simulated.bubble_fraction:.1%}")
     return paths
 
 
