@@ -31,6 +31,7 @@ import json
 import os
 import pickle
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -60,15 +61,10 @@ def enter_link(rate: str, argv: Sequence[str]) -> int:
     # under a 32 KiB bucket; a queue of up to 2 s of traffic drops nothing (no TCP retransmission stalls)
     setup = (f"ip link set lo mtu 9000 && ip link set lo up && "
              f"tc qdisc add dev lo root tbf rate {rate} burst 32kb latency 2s")
-    inner = " ".join([sys.executable, "-m", "benchmarks.ep_overlap", *map(_quote, argv)])
+    inner = " ".join([sys.executable, "-m", "benchmarks.ep_overlap", *map(shlex.quote, argv)])
     env = dict(os.environ, **{_INSIDE: rate})
     return subprocess.run(["unshare", "-n", "bash", "-c", f"{setup} && exec {inner}"], env=env,
                           cwd=Path(__file__).resolve().parents[1]).returncode
-
-
-def _quote(arg: str) -> str:
-    import shlex
-    return shlex.quote(arg)
 
 
 def bits_per_second(rate: str) -> float:
