@@ -51,11 +51,28 @@ def run_cell(schedule: str, steps: int, folder: Path, seq_len: int = 2, config: 
     return reference, piper
 
 
+def run_control(schedule: str, steps: int, folder: Path, seq_len: int, config: str):
+    """(TorchTitan with experts over 2 ranks, TorchTitan with every expert on every rank): the
+    same engine, mathematically the same step; how far it moves is the model's own numerical
+    sensitivity to the expert layout, the scale to read Piper's difference against."""
+    flags, tail = cell_flags(schedule, seq_len), ["activation-checkpoint:none"]
+    whole = list(flags)
+    whole[whole.index("--parallelism.expert_parallel_degree") + 1] = "1"
+    split = run_titan(config, "torch", dump_folder=folder / f"{schedule}-torch-ep2", nproc=4, steps=steps,
+                      extra=[*flags, *tail], timeout_s=1200)
+    replicated = run_titan(config, "torch", dump_folder=folder / f"{schedule}-torch-ep1", nproc=4, steps=steps,
+                           extra=[*whole, *tail], timeout_s=1200)
+    return split, replicated
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ep_parity", description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--seq-len", type=int, default=2)
     parser.add_argument("--config", default=CONFIG, help="any TorchTitan MoE config (e.g. qwen3_moe_debug)")
+    parser.add_argument("--control", action="store_true",
+                        help="per schedule also compare TorchTitan's engine with itself, experts over 2 ranks "
+                             "against experts on every rank (expert_parallel_degree 1)")
     add_parity_args(parser, "ep_parity")
     return parser
 
@@ -71,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                                                     args.tolerance))
             rows.append(row)
             print(f"{schedule}: {cell_line(row)}", flush=True)
+            if args.control:
+                row = dict(schedule=f"{schedule}: TorchTitan ep 2 vs ep 1",
+                           **compare(*run_control(schedule, args.steps, Path(tmp), args.seq_len, args.config),
+                                     args.tolerance))
+                rows.append(row)
+                print(f"{row['schedule']}: {cell_line(row)}", flush=True)
     table = markdown_table(["schedule", "loss", "grad norm", "within"],
                            [[r["schedule"], f"{r['loss']:.1e}", f"{r['grad_norm']:.1e}",
                              "yes" if r["ok"] else f"NO {r['error']}"] for r in rows])
@@ -83,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         f"data_parallel_shard_degree 2 x expert_parallel_degree 2; Piper ZeRO-2 for the dense part, TorchTitan FSDP "
         f"with reshard `never`; {args.seq_len} tokens per microbatch"
         f"{', top-3 of 8 experts: experts left empty in every microbatch' if args.config == CONFIG else ''}), "
-        f"as TorchTitan logs them (loss 5 decimals, grad norm 4), tolerance "
-        f"{args.tolerance:g}.\n\n{table}\n"))
+        f"as TorchTitan logs them (loss 5 decimals, grad norm 4), tolerance {args.tolerance:g}"
+        f"{'; a control row compares TorchTitan with itself, expert_parallel_degree 2 against 1 (mathematically the same step)' if args.control else ''}"
+        f".\n\n{table}\n"))
     return rows
 
 
