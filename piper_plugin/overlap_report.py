@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from piper_plugin.train_report import covered_seconds
+
 __all__ = ["overlap_blocks", "block_overlap"]
 
 
@@ -20,10 +22,11 @@ def overlap_blocks(plan, rank: int, kinds: Iterable[str] = ("ALL_TO_ALL",)) -> l
     """The overlap blocks of plan rank ``rank``: per block, its members as ``{"stage", "mb",
     "pass", "compute": [task keys], "comm": [task keys]}``, ``comm`` holding this rank's tasks of
     the ``kinds`` given (node kind names) that serve the member's stage, microbatch and pass."""
-    mine = set(plan.ranks[rank].tasks())
+    tasks = plan.ranks[rank].tasks()
+    mine = set(tasks)
     comm_of: dict[tuple[int, int | None, str | None], list[str]] = {}
     kinds = set(kinds)
-    for key in plan.ranks[rank].tasks():
+    for key in tasks:
         node = plan.node(key)
         if node.kind.value in kinds:
             comm_of.setdefault((node.stage, node.microbatch, node.phase), []).append(key)
@@ -59,17 +62,6 @@ def block_overlap(blocks: Sequence[Sequence[dict[str, Any]]],
             comm = [spans[k] for k in member["comm"] if k in spans]
             rows.append({"stage": member["stage"], "mb": member["mb"], "pass": member["pass"],
                          "comm_s": sum(e - s for s, e in comm),
-                         "hidden_s": sum(_covered(s, e, others) for s, e in comm)})
+                         "hidden_s": sum(covered_seconds(s, e, others) for s, e in comm)})
         out.append(rows)
     return out
-
-
-def _covered(start: float, end: float, spans: Sequence[tuple[float, float]]) -> float:
-    """Seconds of [start, end] inside the union of ``spans`` (sorted by start)."""
-    total, cursor = 0.0, start
-    for s, e in spans:
-        s, e = max(s, cursor), min(e, end)
-        if e > s:
-            total += e - s
-            cursor = e
-    return total

@@ -15,12 +15,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, Mapping, Sequence
 
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.simulate import SimResult
 
-__all__ = ["StepStats", "Progress", "measured_result", "measured_costs", "write_trace", "human_bytes"]
+__all__ = ["StepStats", "Progress", "measured_result", "measured_costs", "write_trace", "human_bytes",
+           "covered_seconds"]
 
 
 def human_bytes(n: float) -> str:
@@ -103,6 +104,18 @@ class Progress:
         return lines
 
 
+def covered_seconds(start: float, end: float, spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds of [start, end] inside the union of ``spans`` (sorted by start); with an unbounded
+    window, the length of the union (overlapping spans counted once)."""
+    total, cursor = 0.0, start
+    for s, e in spans:
+        s, e = max(s, cursor), min(e, end)
+        if e > s:
+            total += e - s
+            cursor = e
+    return total
+
+
 def measured_result(plan, timelines: Mapping[int, list[tuple[str, str, float, float]]]) -> SimResult:
     """The measured last step as a :class:`SimResult` (times in seconds from the earliest start).
 
@@ -121,13 +134,7 @@ def measured_result(plan, timelines: Mapping[int, list[tuple[str, str, float, fl
     busy = []
     for r in range(world):
         spans = sorted((s - t0, e - t0) for rr, _, key, s, e in events if rr == r and plan.node(key).is_compute)
-        total, cursor = 0.0, float("-inf")
-        for s, e in spans:
-            s = max(s, cursor)
-            if e > s:
-                total += e - s
-                cursor = e
-        busy.append(total)
+        busy.append(covered_seconds(float("-inf"), float("inf"), spans))
     timeline = [(r, stream, key, s - t0, e - t0) for r, stream, key, s, e in events]
     return SimResult(step_time=span, busy=busy, timeline=timeline, static_bytes=[{} for _ in range(world)],
                      peak_transient_bytes=[0] * world)

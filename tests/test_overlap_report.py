@@ -24,12 +24,17 @@ def test_block_overlap_counts_each_second_once():
     assert (b["comm_s"], b["hidden_s"]) == (1.5, 1.0)  # a1 from 3.0; its own b1 does not count
 
 
-def _moe_plan(recipe: str):
+def _moe_schedule(recipe: str) -> Schedule:
+    """The toy MoE annotated for ``recipe`` on pp 2 x ep 2, no directive applied yet."""
     stages = stages_needed(recipe, 2)
     with torch.device("meta"):
         model, cfg = TOY_MODELS["toy-moe"](stages=stages, layers=stages)
     tokens, targets = lm_batch(cfg, 16)
-    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=2, dp=1, ep=2)
+    return Schedule(capture(model, lm_loss, (tokens,), targets), pp=2, dp=1, ep=2)
+
+
+def _moe_plan(recipe: str):
+    sch = _moe_schedule(recipe)
     return build_plan(apply_recipe(sch, recipe, microbatches=4).dag, sch.grid)
 
 
@@ -69,11 +74,7 @@ def _pairs_plan(recipe: str, pairs: str):
     """``recipe`` (toy MoE, pp 2 x ep 2, 8 microbatches) with the given overlap pairing."""
     from piper_plugin.recipes import orders, pipeline
 
-    stages = stages_needed(recipe, 2)
-    with torch.device("meta"):
-        model, cfg = TOY_MODELS["toy-moe"](stages=stages, layers=stages)
-    tokens, targets = lm_batch(cfg, 16)
-    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=2, dp=1, ep=2)
+    sch = _moe_schedule(recipe)
     chunks = 2 if recipe == "interleaved-1f1b" else 1
     pipeline._prepare(sch, recipe, chunks, "loop", 8, 0, None, False)
     actions = orders.interleaved_1f1b(2, 2, 8) if chunks == 2 else orders.one_f_one_b(2, 8)

@@ -13,14 +13,16 @@ import sys
 import time
 from typing import Iterator
 
+from piper_plugin import UsageError
+
 __all__ = ["FlagError", "one_line_errors"]
 
 SAY_AFTER_S = 5.0  # how long a rank other than 0 leaves rank 0 to say the error first
 
 
-class FlagError(ValueError):
+class FlagError(UsageError, ValueError):
     """A flag, or a combination of flags, the Piper engine refuses; the message names the flags
-    and the fix."""
+    and the fix (Piper's :class:`~piper_plugin.UsageError`, raised inside TorchTitan's trainer)."""
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ class PiperPipelineSchedule:
         self._executor: Executor | None = None
         self._paused: list = []
         self.trace_dir, self._steps = trace_dir, 0
+        self._blocks: list | None = None  # this rank's overlap blocks, for the trace (fixed by the plan)
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
         # right after its last backward task on this rank (inside the cool-down's idle time).
@@ -140,12 +141,13 @@ class PiperPipelineSchedule:
         folder = Path(self.trace_dir)
         folder.mkdir(parents=True, exist_ok=True)
         timeline = [[stream, key, start, end] for stream, key, start, end in executor.runner.timeline]
+        if self._blocks is None:  # the first traced step: what the plan fixes, once
+            self._blocks = overlap_blocks(self.plan, self.rank)
+            if dist.get_rank() == 0:
+                with open(folder / "plan.pkl", "wb") as f:
+                    pickle.dump(self.plan, f)
         (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(
-            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline,
-             "blocks": overlap_blocks(self.plan, self.rank)}))
-        if self._steps == 1 and dist.get_rank() == 0:
-            with open(folder / "plan.pkl", "wb") as f:
-                pickle.dump(self.plan, f)
+            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline, "blocks": self._blocks}))
 
     def eval(self, *args, target=None, losses: list | None = None, arg_mbs=None, kwarg_mbs=None,
              target_mbs=None, **kwargs):
