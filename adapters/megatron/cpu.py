@@ -1,0 +1,152 @@
+"""The CPU path for Megatron-Core: its CUDA-only spots answered on the CPU, applied only
+without a GPU (on a GPU nothing here runs).
+
+Megatron-Core 0.16.1 imports and builds models on a CPU-only torch (local layer spec, no
+Transformer Engine), but running them touches CUDA in a few kinds of places
+(HOST_FRAMEWORKS.md): tensors made with ``device="cuda"`` or ``torch.cuda.current_device()``
+(schedules, p2p buffers, the global memory buffer, optimizer, clipping, MoE utilities),
+``Tensor.cuda()``, streams, ``torch.cuda.synchronize()``, and checks that a parameter's
+``type()`` is ``'torch.cuda.FloatTensor'``. None of it edits a Megatron file:
+
+* :class:`CudaOnCpu`, a torch function mode, turns a CUDA device argument into ``"cpu"``,
+  ``Tensor.cuda()`` into the tensor itself and answers ``Tensor.type()`` with the CUDA type
+  name of the same dtype (the only thing those checks read). Modes are per thread:
+  :func:`cpu_context` enters it on a thread that runs Megatron code (Piper's compute stream);
+* :func:`apply_cpu_fixes` enters it on the calling thread and makes ``torch.cuda``'s
+  device, stream, event and synchronize calls answer for the CPU, and sets the MoE utilities'
+  missing Transformer Engine GEMM to None (its own fallback).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["on_cpu", "apply_cpu_fixes", "cpu_context", "CudaOnCpu"]
+
+_applied = threading.Lock()
+_state: dict[str, Any] = {"applied": False}
+
+
+def on_cpu() -> bool:
+    """True when there is no GPU (or PIPER_MEGATRON_DEVICE=cpu forces the CPU path)."""
+    forced = os.environ.get("PIPER_MEGATRON_DEVICE", "")
+    if forced:
+        return forced == "cpu"
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # an index: a CUDA device
+
+
+def _cuda_type_name(t: torch.Tensor) -> str:
+    name = torch.Tensor.type.__get__(t)()  # e.g. 'torch.FloatTensor'
+    return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """CUDA device arguments mean the CPU; ``.cuda()`` is the tensor itself; ``.type()`` names
+    the CUDA type of the tensor's dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _cuda_type_name(args[0])
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]) and not isinstance(args[1], int):
+            args = (args[0], "cpu", *args[2:])
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A CUDA stream on the CPU: everything runs in program order already."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def cpu_context() -> Callable[[], ContextManager]:
+    """A factory of contexts that run Megatron code on the CPU on the current thread
+    (a no-op context with a GPU)."""
+    if not on_cpu():
+        return contextlib.nullcontext
+    return CudaOnCpu
+
+
+def apply_cpu_fixes() -> bool:
+    """Make Megatron-Core run on the CPU in this process (its calling thread); idempotent.
+    Returns whether the CPU path is in use."""
+    if not on_cpu():
+        return False
+    with _applied:
+        if not _state["applied"]:
+            cuda = torch.cuda
+            _state["saved"] = {name: getattr(cuda, name) for name in
+                               ("current_device", "synchronize", "Stream", "Event", "current_stream",
+                                "default_stream", "stream", "set_device")}
+            cuda.current_device = lambda: 0
+            cuda.synchronize = lambda *a, **k: None
+            cuda.set_device = lambda *a, **k: None
+            cuda.Stream, cuda.Event = _Stream, _Event
+            cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
+            cuda.stream = lambda *a, **k: contextlib.nullcontext()
+            try:
+                from megatron.core.transformer.moe import moe_utils
+                if not hasattr(moe_utils, "te_general_gemm"):
+                    moe_utils.te_general_gemm = None
+            except ImportError:
+                pass
+            _state["applied"] = True
+    if not getattr(_thread_mode, "mode", None):
+        _thread_mode.mode = CudaOnCpu()
+        _thread_mode.mode.__enter__()
+    return True
+
+
+_thread_mode = threading.local()

@@ -1,0 +1,234 @@
+"""Megatron model chunks as Piper module regions: one region per pipeline stage, no tracing.
+
+Megatron builds each rank's model chunks for their stages itself (``pre_process`` /
+``post_process``, ``vp_stage``): chunk ``k`` of pipeline rank ``r`` is stage ``k * pp + r``.
+A stage's forward is the user's ``forward_step_func`` on that chunk, after
+``set_input_tensor`` hands it the previous stage's hidden state, as Megatron's schedules do:
+
+    stage 0:    (batch)          -> h0
+    stage s:    (h{s-1}, batch)  -> h{s}
+    last stage: (h{S-2}, batch)  -> loss   (the loss function's loss, scaled as Megatron does)
+
+``batch`` is a :class:`Microbatch`: which microbatch this is, and the feed that gives the
+user's function that microbatch's item of its data iterator, whatever order the plan runs
+microbatches in. Only the hidden states cross ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from piper_plugin import Program, Region
+
+__all__ = ["MegatronProgram", "MegatronStageChunk", "LocalChunks", "Microbatch", "DataFeed", "StageRun",
+           "build_program", "hidden_name", "INPUTS"]
+
+INPUTS = ("batch",)
+
+
+def hidden_name(stage: int) -> str:
+    return f"h{stage}"
+
+
+class DataFeed:
+    """One model chunk's data iterator, read lazily in order: item ``i`` is the ``i``-th item the
+    iterator yields, however the plan orders the microbatches."""
+
+    def __init__(self, iterator: Iterator | None):
+        self.iterator = iterator
+        self.items: dict[int, Any] = {}
+        self._read = 0
+
+    def item(self, index: int) -> Any:
+        while self._read <= index:
+            self.items[self._read] = next(self.iterator)
+            self._read += 1
+        return self.items.pop(index)
+
+    def for_microbatch(self, index: int) -> Iterator | None:
+        return None if self.iterator is None else _OneItem(self, index)
+
+
+class _OneItem:
+    """What ``forward_step_func`` reads for one microbatch: that microbatch's item, once."""
+
+    def __init__(self, feed: DataFeed, index: int):
+        self.feed, self.index, self.done = feed, index, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise RuntimeError("forward_step_func read its data iterator twice in one microbatch; the Piper engine "
+                               "gives each microbatch one item of the iterator, as Megatron's schedules read it")
+        self.done = True
+        return self.feed.item(self.index)
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """The ``batch`` input of every stage region: microbatch ``index`` of the step."""
+
+    index: int
+
+
+@dataclass
+class StageRun:
+    """What one call of the forward-backward function gives every stage chunk."""
+
+    forward_step_func: Callable[..., Any]
+    feeds: dict[int, DataFeed]          # stage -> its chunk's data
+    num_microbatches: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    cp_size: int
+    first_val_step: bool | None
+    store: dict[int, Any]               # microbatch -> what the last stage's loss function reported
+    num_tokens: dict[int, torch.Tensor]  # microbatch -> its token count (3-tuple loss functions)
+
+
+class MegatronStageChunk(nn.Module):
+    """Stage ``stage`` of the pipeline: Megatron's ``forward_step`` (and, on the last stage, its
+    loss scaling) around the user's ``forward_step_func`` on the model chunk."""
+
+    def __init__(self, chunk: nn.Module, stage: int, last: bool):
+        super().__init__()
+        self.chunk, self.stage, self.last = chunk, stage, last
+        self.run: StageRun | None = None
+
+    def forward(self, *args) -> tuple[torch.Tensor, ...]:
+        from megatron.core.pipeline_parallel.schedules import set_current_microbatch
+        from megatron.core.utils import get_attr_wrapped_model
+
+        run, (*hidden, mb) = self.run, args
+        index = mb.index
+        first = index == 0 if run.first_val_step is None or not run.forward_only else (run.first_val_step and index == 0)
+        if first and hasattr(self.chunk, "set_is_first_microbatch"):
+            self.chunk.set_is_first_microbatch()
+        set_current_microbatch(self.chunk, index)
+        get_attr_wrapped_model(self.chunk, "set_input_tensor")([hidden[0] if hidden else None])
+        config = get_attr_wrapped_model(self.chunk, "config")
+        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if config.enable_autocast
+                    else _null())
+        with autocast:
+            output, loss_func = run.forward_step_func(run.feeds[self.stage].for_microbatch(index), self.chunk)
+        _set_aux_loss_scales(config, output, run)
+        if not self.last:
+            return (output,)
+        return (self._loss(output, loss_func, config, run, index),)
+
+    def _loss(self, output, loss_func, config, run: StageRun, index: int) -> torch.Tensor:
+        """Megatron's ``forward_step_calc_loss`` on the last stage, in its order of in-place ops
+        (a loss function may report the very tensor it returns as its loss), then the gradient
+        scale its ``backward_step`` applies."""
+        if loss_func is None:
+            run.store[index] = output
+            return output
+        if run.collect_non_loss_data:
+            run.store[index] = loss_func(output, non_loss_data=True)
+            return output
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, reduced = outputs
+            run.num_tokens[index] = num_tokens
+            if not config.calculate_per_token_loss:
+                loss /= torch.clamp(num_tokens, min=1)
+                loss /= run.num_microbatches
+        else:
+            loss, reduced = outputs
+            loss *= run.cp_size
+            loss /= run.num_microbatches
+        run.store[index] = reduced
+        if not run.forward_only and config.grad_scale_func is not None:
+            loss = config.grad_scale_func(loss)
+        return loss
+
+
+def _set_aux_loss_scales(config, output, run: StageRun) -> None:
+    """The scale MoE (and multi-token prediction) auxiliary losses start their backward from,
+    as Megatron's schedules set it after every forward."""
+    device = output.device if isinstance(output, torch.Tensor) else torch.device("cpu")
+    if getattr(config, "num_moe_experts", None) is not None:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
+        MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss
+                                            else scale * run.cp_size / run.num_microbatches)
+    if getattr(config, "mtp_num_layers", None) is not None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+        scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
+        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / run.num_microbatches)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class LocalChunks(nn.Module):
+    """This rank's model chunks under ``stages.<s>`` (parameter names as the program has them)."""
+
+    def __init__(self, chunks: dict[int, nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleDict({str(s): m for s, m in sorted(chunks.items())})
+
+
+class MegatronProgram(Program):
+    """A Program whose chunks are Megatron model chunks run by the user's ``forward_step_func``."""
+
+    def instantiate(self, model: nn.Module, loss_fn: Callable[..., Any]) -> dict[str, nn.Module]:
+        last = max(r.stage for r in self.regions.values())
+        return {s: MegatronStageChunk(chunk, int(s), int(s) == last) for s, chunk in model.stages.items()}
+
+
+def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, microbatch_size: int,
+                  microbatches: int, hidden_shape: tuple[int, ...], dtype: torch.dtype,
+                  model_type: str = "") -> MegatronProgram:
+    """The single-device DAG of the pipeline's stages, from every stage's parameters
+    ``(name in its chunk, shape, bytes)`` (gathered from the ranks that hold them). Sizes are
+    for the plan's batch (``microbatch_size * microbatches`` sequences); ``hidden_shape`` is one
+    microbatch's hidden state between stages (Megatron's ``[seq, batch, hidden]``)."""
+    num = len(params)
+    if sorted(params) != list(range(num)):
+        raise ValueError(f"stages {sorted(params)} are not 0..{num - 1}")
+    numel_hidden = 1
+    for d in hidden_shape:
+        numel_hidden *= d
+    hidden_bytes = numel_hidden * microbatches * torch.finfo(dtype).bits // 8
+    tokens = hidden_shape[0] * microbatch_size * microbatches
+    regions: dict[str, Region] = {}
+    param_bytes: dict[str, int] = {}
+    param_shapes: dict[str, tuple[int, ...]] = {}
+    for s in range(num):
+        names = tuple(f"model.stages.{s}.{n}" for n, _, _ in params[s])
+        for full, (_, shape, nbytes) in zip(names, params[s]):
+            param_bytes[full], param_shapes[full] = nbytes, tuple(shape)
+        inputs = (("batch",) if s == 0 else (hidden_name(s - 1), "batch"))
+        outputs = ("loss",) if s == num - 1 else (hidden_name(s),)
+        numel = sum(_numel(shape) for _, shape, _ in params[s])
+        regions[str(s)] = Region(
+            name=str(s), stage=s, index=s, tags={"PP": s}, params=names, inputs=inputs, outputs=outputs,
+            value_bytes={v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs},
+            activation_bytes=hidden_bytes * 8, param_bytes=sum(b for _, _, b in params[s]),
+            flops=6 * tokens * numel)
+    return MegatronProgram.from_regions(
+        regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),
+        batch_size=microbatch_size * microbatches, param_bytes=param_bytes, param_shapes=param_shapes,
+        value_shapes={hidden_name(s): (hidden_shape[0], microbatch_size * microbatches, *hidden_shape[2:])
+                      for s in range(num - 1)},
+        root_type=model_type)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,266 @@
+"""A drop-in for Megatron-Core's forward-backward functions, running a Piper plan.
+
+Same keyword-only signature and contract as ``megatron.core.pipeline_parallel.schedules``'s
+``forward_backward_pipelining_*``: the user's ``forward_step_func`` runs on each model chunk,
+the last stage's loss function scales the loss as Megatron does, gradient reduction is
+deferred by ``config.no_sync_func`` and finalised by ``config.finalize_model_grads_func``,
+the MoE auxiliary-loss scale is set, and the last stage returns the loss function's reports in
+microbatch order (every other rank: an empty list).
+
+Invariants:
+- every rank of a pipeline compiles the same plan (its hash is checked as the executor starts);
+  chunk ``k`` of pipeline rank ``r`` is stage ``k * pp + r`` and the recipe must place it there;
+- each chunk reads its data iterator once per microbatch, item ``i`` for microbatch ``i``,
+  whatever order the plan runs microbatches in;
+- gradients accumulate as Megatron's backward leaves them (DDP's ``main_grad`` hooks); with
+  ``overlap_grad_reduce`` a chunk's reduction starts right after its last backward on this rank,
+  otherwise ``finalize_model_grads_func`` does it (never twice).
+
+The executor (and its communicators) is built on the first call and kept for calls with the
+same chunks, microbatch count and hidden shape.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from piper_plugin import DirectiveError, Executor, ExecutorConfig, UsageError, ValueSpec, compile_program, recipes
+
+from piper_plugin.adapters.megatron.cpu import cpu_context
+from piper_plugin.adapters.megatron.program import (
+    DataFeed, LocalChunks, StageRun, build_program, hidden_name,
+)
+
+__all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 300.0
+_BACKWARDS = ("B", "BI", "BW")
+
+
+class ArgumentError(UsageError, ValueError):
+    """A Megatron argument (or combination) the Piper engine cannot run; the message names the
+    argument and the fix."""
+
+
+class PiperForwardBackward:
+    """Callable with the signature of Megatron's forward-backward functions.
+
+    ``recipe``: a Piper recipe name, recipe file or JSON trace (None: ``1f1b``, or
+    ``interleaved-1f1b`` when each rank holds several model chunks)."""
+
+    def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.recipe, self.timeout_s = recipe, timeout_s
+        self._cached: tuple[tuple, _Engine] | None = None
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
+                 collect_non_loss_data: bool = False, first_val_step: bool | None = None,
+                 adjust_tensor_shapes_fn: Callable | None = None, p2p_communicator=None, pg_collection=None,
+                 force_all_reduce: bool | None = False) -> list[Any]:
+        from megatron.core.utils import get_model_config
+
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        iterators = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator] * len(chunks)
+        if len(iterators) != len(chunks):
+            raise ArgumentError(f"{len(chunks)} model chunks but {len(iterators)} data iterators; pass one per chunk")
+        config = get_model_config(chunks[0])
+        if adjust_tensor_shapes_fn is not None:
+            raise ArgumentError("adjust_tensor_shapes_fn: the Piper engine sends each stage's hidden state at "
+                                "[seq_length, micro_batch_size, hidden_size]; drop it or use Megatron's engine")
+        if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
+            raise ArgumentError("--overlap-p2p-comm without a virtual pipeline: Megatron refuses it too")
+        shape = _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection)
+        key = (tuple(id(c) for c in chunks), num_microbatches, shape, config.pipeline_dtype)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, _Engine(chunks, num_microbatches, micro_batch_size, shape, config,
+                                         self.recipe, self.timeout_s, pg_collection))
+        engine = self._cached[1]
+        return engine.run(forward_step_func, iterators, forward_only=forward_only,
+                          collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                          pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+def _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection) -> tuple[int, ...]:
+    """One microbatch's hidden state between stages, as Megatron's ``get_tensor_shapes``."""
+    from megatron.core import parallel_state
+
+    cp = pg_collection.cp.size() if pg_collection is not None else parallel_state.get_context_parallel_world_size()
+    tp = pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
+    seq = (decoder_seq_length or seq_length) // cp
+    if config.sequence_parallel:
+        seq //= tp
+    return (seq, micro_batch_size, config.hidden_size)
+
+
+class _Engine:
+    """One compiled plan and its executor for this rank's chunks."""
+
+    def __init__(self, chunks: list[nn.Module], microbatches: int, micro_batch_size: int, shape, config,
+                 recipe: str | None, timeout_s: float, pg_collection):
+        from megatron.core import parallel_state
+
+        pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        self.chunks, self.pp, self.pp_rank = chunks, pp, pp_rank
+        self.config = config
+        self.cp_size = (pg_collection.cp.size() if pg_collection is not None
+                        else parallel_state.get_context_parallel_world_size())
+        self.stages = {k * pp + pp_rank: c for k, c in enumerate(chunks)}
+        num_stages = pp * len(chunks)
+        # every stage's parameters, from the rank that holds it: the same program on every rank
+        mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()]
+                for s, c in self.stages.items()}
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, mine, group=pp_group)
+        params = {s: v for part in gathered for s, v in part.items()}
+        program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
+                                hidden_shape=shape, dtype=config.pipeline_dtype,
+                                model_type=type(_unwrap(chunks[0])).__name__)
+        name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
+        try:
+            loaded = recipes.load(name)
+        except recipes.RecipeError as exc:
+            raise ArgumentError(f"--piper-recipe: {exc}") from None
+        try:
+            compiled = compile_program(program, lambda prog: loaded.schedule(
+                prog, pp=pp, dp=1, ep=1, microbatches=microbatches, chunks=len(chunks), zero=0, bucket_bytes=None))
+        except (DirectiveError, recipes.RecipeError) as exc:
+            raise ArgumentError(f"--piper-recipe {loaded.name}: {exc} (the model has {num_stages} stages: "
+                                f"--pipeline-model-parallel-size {pp} x {len(chunks)} model chunks per rank)") from None
+        plan = compiled.plan
+        if plan.grid.world_size != pp:
+            raise ArgumentError(f"--piper-recipe {loaded.name} runs on {plan.grid.world_size} ranks but the pipeline "
+                                f"has {pp} (--pipeline-model-parallel-size); data parallelism stays Megatron's")
+        placement = {int(r): rank for r, rank in plan.dag.meta.placement.items()}
+        wrong = {s: r for s, r in placement.items() if r != s % pp}
+        if wrong:
+            s, r = next(iter(wrong.items()))
+            raise ArgumentError(f"--piper-recipe {loaded.name} puts stage {s} on pipeline rank {r}, but Megatron "
+                                f"built it on rank {s % pp} (chunk k of rank r is stage k x pp + r); use a recipe with "
+                                f"the loop layout (1f1b, interleaved-1f1b, gpipe), or build the model chunks for this "
+                                f"recipe's layout")
+        self.plan, self.recipe_name, self.simulation = plan, loaded.name, compiled.simulation
+        self.microbatches = microbatches
+        specs = {hidden_name(s): ValueSpec(shape, config.pipeline_dtype) for s in range(num_stages - 1)}
+        replicas = _pipelines(pp_group)
+        self._context = cpu_context()
+        self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
+        self._reduce_after = _last_backwards(plan, pp_rank)
+        self._no_sync: dict[int, Any] = {}
+        self.executor = Executor(plan, program, pp_rank, LocalChunks(self.stages), None, specs=specs,
+                                 optimizer_fn=None, after_task=self._after,
+                                 config=ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=False,
+                                                       replicas=tuple(tuple(r) for r in replicas)))
+        self.last_stage = num_stages - 1
+
+    # -- gradient synchronisation, as Megatron's schedules defer and finish it ----------------
+    def _disable_sync(self) -> None:
+        no_sync = self.config.no_sync_func
+        if no_sync is None:
+            return
+        funcs = no_sync if isinstance(no_sync, (list, tuple)) else [no_sync] * len(self.stages)
+        for (s, _), func in zip(sorted(self.stages.items()), funcs):
+            context = func()
+            context.__enter__()
+            self._no_sync[s] = context
+
+    def _enable_sync(self, stage: int) -> None:
+        context = self._no_sync.pop(stage, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def _after(self, key: str) -> None:
+        """After a chunk's last backward on this rank its gradients are final: with overlapped
+        reduction, it starts now (inside the rest of the step), as Megatron's last microbatch does."""
+        stage = self._reduce_after.get(key)
+        if stage is None or not self.running_backward:
+            return
+        self._enable_sync(stage)
+        if self._overlap_reduce[stage]:
+            with self._context():
+                self.stages[stage].start_grad_sync()
+
+    def run(self, forward_step_func, iterators: list[Iterator | None], *, forward_only: bool,
+            collect_non_loss_data: bool, first_val_step, pg_collection, force_all_reduce) -> list[Any]:
+        feeds = {k * self.pp + self.pp_rank: DataFeed(it) for k, it in enumerate(iterators)}
+        run = StageRun(forward_step_func=forward_step_func, feeds=feeds, num_microbatches=self.microbatches,
+                       forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, cp_size=self.cp_size,
+                       first_val_step=first_val_step, store={}, num_tokens={})
+        for chunk in self.executor.state.chunks.values():
+            chunk.run = run
+        inputs = {"batch": [_microbatch(i) for i in range(self.microbatches)]}
+        self.running_backward = not forward_only
+        try:
+            if forward_only:
+                with self._context():
+                    self.executor.eval(inputs)
+                return self._reported(run)
+            self._disable_sync()
+            self.executor.step(microbatches=inputs, compute_context=self._context)
+            for stage in sorted(self._no_sync):  # chunks with no backward on this rank (none in a pipeline)
+                self._enable_sync(stage)
+            if self.config.grad_sync_func is not None:
+                for chunk in self.chunks:
+                    self.config.grad_sync_func(chunk.parameters())
+            if self.config.finalize_model_grads_func is not None:
+                total = sum(run.num_tokens.values(), torch.zeros([], dtype=torch.int))
+                with self._context():
+                    self.config.finalize_model_grads_func(
+                        self.chunks, total if self.config.calculate_per_token_loss else None,
+                        pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            return self._reported(run)
+        finally:
+            for stage in list(self._no_sync):
+                self._enable_sync(stage)
+            for chunk in self.executor.state.chunks.values():
+                chunk.run = None
+
+    def _reported(self, run: StageRun) -> list[Any]:
+        if self.last_stage not in self.stages:
+            return []
+        return [run.store[i] for i in sorted(run.store)]
+
+
+def _microbatch(index: int):
+    from piper_plugin.adapters.megatron.program import Microbatch
+
+    return Microbatch(index)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _overlaps_reduce(chunk: nn.Module) -> bool:
+    ddp_config = getattr(chunk, "ddp_config", None)
+    return bool(getattr(ddp_config, "overlap_grad_reduce", False)) and hasattr(chunk, "start_grad_sync")
+
+
+def _pipelines(pp_group) -> list[list[int]]:
+    """Process ranks of every pipeline (each a replica of the plan), ordered by pipeline rank."""
+    mine = dist.get_process_group_ranks(pp_group)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
+
+
+def _last_backwards(plan, rank: int) -> dict[str, int]:
+    """Task key -> stage, for the last backward task of each of ``rank``'s stages."""
+    last: dict[int, str] = {}
+    for keys in plan.ranks[rank].streams.values():
+        for key in keys:
+            node = plan.dag.nodes[key]
+            if node.kind.value in _BACKWARDS:
+                last[node.stage] = key
+    return {key: stage for stage, key in last.items()}
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield

@@ -1,0 +1,213 @@
+"""Megatron-Core training on forked gloo ranks, under Megatron's engine and Piper's, for parity.
+
+``run_job(world, scenario)`` runs one job of ``world`` ranks (a fork server, as
+:mod:`forkserver_ranks`). Every rank initialises Megatron's parallel state (pipeline ``pp``,
+virtual pipeline ``vpp``), builds its model chunks, wraps them in Megatron's DDP and optimizer
+(``get_megatron_optimizer``; the distributed optimizer when asked) and, for each engine in
+``scenario["engines"]`` ("megatron", "piper", "piper:<recipe>"), starts again from the same
+weights and trains ``steps`` iterations. It reports, by global parameter name (layer numbers as
+the whole model has them, the tied output weight as the embedding): the losses the last stage
+reports, every gradient of the first iteration (after ``finalize_model_grads``), and every
+parameter after the last.
+
+Weights are set from each parameter's global name, and microbatch ``j`` of the global batch is
+made from ``(iteration, j)``, so a job of any layout (``pp=1``: single-device training) starts
+from the same model and sees the same data.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+from functools import partial
+
+from forkserver_ranks import run_ranks
+
+__all__ = ["run_job", "SCENARIO"]
+
+SCENARIO = dict(pp=2, vpp=None, layers=4, hidden=64, heads=4, ffn=256, vocab=128, seq=32, mbs=2,
+                microbatches=4, steps=3, lr=1e-3, moe=False, tied=True, distributed_optimizer=False,
+                batch_p2p_comm=True, loss_tuple=3, engines=("megatron", "piper"), aux_loss=1e-2)
+
+
+def run_job(world: int, scenario: dict, timeout_s: float = 300.0) -> dict:
+    scenario = {**SCENARIO, **scenario, "world": world}
+    return run_ranks(_rank, world, scenario, timeout_s=timeout_s)
+
+
+def _rank(rank: int, port: int, scenario: dict, out) -> None:
+    try:
+        report = _train(rank, port, scenario)
+    except BaseException as exc:  # noqa: BLE001 - the test sees the rank's error
+        import traceback
+
+        report = {"error": f"rank {rank}: {exc!r}\n{traceback.format_exc()}"}
+    out.put((rank, _plain(report)))
+
+
+def _plain(value):
+    """Tensors as numpy arrays: a report outlives the rank that made it."""
+    if hasattr(value, "numpy") and hasattr(value, "detach"):
+        return value.detach().numpy().copy()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _global_name(chunk, name: str, tied: bool) -> str:
+    """``name`` in a stage's model chunk -> its name in the single-device model."""
+    import re
+
+    name = name.removeprefix("module.")
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if match:
+        layer = _inner(chunk).decoder.layers[int(match.group(1))]
+        return f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+    if tied and name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+def _inner(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _set_weights(chunks, tied: bool) -> None:
+    import torch
+
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                g = torch.Generator().manual_seed(zlib.crc32(_global_name(chunk, name, tied).encode()))
+                values = torch.randn(p.shape, generator=g, dtype=torch.float32)
+                if p.dim() >= 2:
+                    values *= 0.02
+                elif name.endswith("weight"):
+                    values = 1 + 0.02 * values
+                else:
+                    values *= 0.02
+                p.copy_(values)
+
+
+def _batch(step: int, index: int, scenario: dict) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + index)
+    mbs, seq = scenario["mbs"], scenario["seq"]
+    tokens = torch.randint(0, scenario["vocab"], (mbs, seq + 1), generator=g)
+    mask = (torch.rand(mbs, seq, generator=g) > 0.1).float()
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+            "position_ids": torch.arange(seq).expand(mbs, seq),
+            "attention_mask": torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)}
+
+
+def _forward_step(loss_tuple: int, data_iterator, model):
+    import torch
+
+    data = next(data_iterator)
+    output = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"])
+
+    def loss_func(loss_mask, output_tensor):
+        losses = output_tensor.float().view(-1)
+        mask = loss_mask.view(-1)
+        if loss_tuple == 3:
+            total = torch.sum(losses * mask)
+            tokens = mask.sum().to(torch.int)
+            return total, tokens, {"lm loss": torch.stack([total.detach().clone(), mask.sum()])}
+        loss = torch.sum(losses * mask) / mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, partial(loss_func, data["loss_mask"])
+
+
+def _train(rank: int, port: int, scenario: dict) -> dict:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from piper_plugin.adapters.megatron import apply_cpu_fixes, get_forward_backward_func
+
+    apply_cpu_fixes()
+    world = scenario["world"]
+    os.environ["WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func as megatron_func
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    pp, vpp = scenario["pp"], scenario["vpp"]
+    parallel_state.initialize_model_parallel(1, pp, vpp)
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, add_bias_linear=False,
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=scenario["aux_loss"],
+               moe_token_dispatcher_type="alltoall") if scenario["moe"] else {}
+    config = TransformerConfig(
+        num_layers=scenario["layers"], hidden_size=scenario["hidden"], num_attention_heads=scenario["heads"],
+        ffn_hidden_size=scenario["ffn"], use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=scenario["batch_p2p_comm"], **moe)
+    spec = get_gpt_layer_local_spec(num_experts=4 if scenario["moe"] else None, moe_grouped_gemm=False)
+    chunks = []
+    for k in range(vpp or 1):
+        vp = k if vpp else None
+        chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=scenario["vocab"],
+                         max_sequence_length=scenario["seq"], share_embeddings_and_output_weights=scenario["tied"],
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                         vp_stage=vp)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=scenario["distributed_optimizer"],
+                                            overlap_grad_reduce=scenario.get("overlap_grad_reduce", False))
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
+                                              disable_bucketing=k > 0))
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    m = scenario["microbatches"]
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    report: dict = {}
+    for engine in scenario["engines"]:
+        _set_weights([c.module for c in chunks], scenario["tied"])
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=scenario["lr"], weight_decay=0.01, bf16=False, fp16=False,
+                            use_distributed_optimizer=scenario["distributed_optimizer"], clip_grad=1.0),
+            chunks)
+        if engine == "megatron":
+            func = megatron_func()
+        else:
+            func = get_forward_backward_func(recipe=engine.partition(":")[2] or None)
+        losses, grads = [], {}
+        for step in range(scenario["steps"]):
+            for c in chunks:
+                c.zero_grad_buffer()
+            optimizer.zero_grad()
+            batches = [_batch(step, dp_rank * m + i, scenario) for i in range(m)]
+            iterators = [iter(list(batches)) for _ in chunks]
+            reported = func(forward_step_func=partial(_forward_step, scenario["loss_tuple"]),
+                            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                            model=chunks, num_microbatches=m, seq_length=scenario["seq"],
+                            micro_batch_size=scenario["mbs"], forward_only=False)
+            if step == 0 and not scenario["distributed_optimizer"]:
+                grads = {_global_name(c, n, scenario["tied"]): p.main_grad.detach().clone()
+                         for c in chunks for n, p in c.module.named_parameters()}
+            optimizer.step()
+            if last:
+                losses.append([{k: v.tolist() for k, v in r.items()} for r in reported])
+            elif reported:
+                raise AssertionError(f"rank {rank} is not the last stage but its engine reported {reported}")
+        params = {_global_name(c, n, scenario["tied"]): p.detach().clone()
+                  for c in chunks for n, p in c.module.named_parameters()}
+        report[engine] = {"losses": losses, "grads": grads, "params": params}
+    report["dp"] = dp
+    dist.destroy_process_group()
+    return report
