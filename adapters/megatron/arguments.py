@@ -1,0 +1,147 @@
+"""Megatron-LM's command line for :mod:`.pretrain_gpt`: its argument names and defaults, plus
+the engine switch (``--pipeline-engine``) and Piper's own (``--piper-recipe``).
+
+Every check runs before any process group or model exists; a refused argument ends the run
+with one ``piper: error:`` line naming it and the fix (:class:`~.schedule.ArgumentError`).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from piper_plugin.adapters.megatron.schedule import ArgumentError
+
+__all__ = ["parse_args", "validate", "ENGINES"]
+
+ENGINES = ("megatron", "piper")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise ArgumentError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m piper_plugin.adapters.megatron.pretrain_gpt",
+                description="Pretrain a GPT with Megatron-Core; --pipeline-engine=piper runs the pipeline "
+                            "with Piper, =megatron with Megatron's own schedules.")
+    model = p.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, required=True)
+    model.add_argument("--hidden-size", type=int, required=True)
+    model.add_argument("--num-attention-heads", type=int, required=True)
+    model.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x --hidden-size")
+    model.add_argument("--seq-length", type=int, required=True)
+    model.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--hidden-dropout", type=float, default=0.1)
+    model.add_argument("--attention-dropout", type=float, default=0.1)
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    model.add_argument("--num-experts", type=int, default=None)
+    model.add_argument("--moe-router-topk", type=int, default=2)
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    model.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    train = p.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, required=True)
+    train.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
+    train.add_argument("--train-iters", type=int, required=True)
+    train.add_argument("--lr", type=float, required=True)
+    train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--adam-beta1", type=float, default=0.9)
+    train.add_argument("--adam-beta2", type=float, default=0.999)
+    train.add_argument("--adam-eps", type=float, default=1e-8)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--log-interval", type=int, default=100)
+    train.add_argument("--use-distributed-optimizer", action="store_true")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    par.add_argument("--expert-model-parallel-size", type=int, default=1)
+    par.add_argument("--data-parallel-size", type=int, default=None,
+                     help="default: world size / (tensor x pipeline); if given it must equal that")
+    data = p.add_argument_group("data and checkpoints")
+    data.add_argument("--data-path", default=None,
+                      help="prefix of a Megatron indexed dataset (.bin/.idx); default: the corpus Piper ships")
+    data.add_argument("--tokenizer-file", default=None,
+                      help="a tokenizers JSON file for --data-path's vocabulary; default: the one Piper ships")
+    data.add_argument("--save", default=None)
+    data.add_argument("--load", default=None)
+    data.add_argument("--save-interval", type=int, default=None)
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--pipeline-engine", choices=ENGINES, default="megatron",
+                        help="megatron: Megatron's own schedules (the baseline); piper: Piper's plan")
+    engine.add_argument("--piper-recipe", default=None,
+                        help="Piper recipe name, recipe file or JSON trace (default: 1f1b, interleaved-1f1b with a "
+                             "virtual pipeline)")
+    engine.add_argument("--piper-timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    validate(args, world_size)
+    return args
+
+
+def validate(args: argparse.Namespace, world: int) -> None:
+    """Derived sizes, and every combination refused with the argument to change."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+                 "pipeline_model_parallel_size", "tensor_model_parallel_size", "expert_model_parallel_size"):
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer")
+    if args.tensor_model_parallel_size != 1:
+        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this entry runs "
+                            f"pipeline x data x expert parallelism; set it to 1")
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    if world % pp:
+        raise ArgumentError(f"--pipeline-model-parallel-size {pp} does not divide the {world} ranks; launch a "
+                            f"multiple of {pp} ranks (--nproc_per_node)")
+    dp = world // pp
+    if args.data_parallel_size is not None and args.data_parallel_size != dp:
+        raise ArgumentError(f"--data-parallel-size {args.data_parallel_size}: {world} ranks / pipeline {pp} give "
+                            f"{dp}; drop it or launch {args.data_parallel_size * pp} ranks")
+    args.data_parallel_size = dp
+    chunks = vpp or 1
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise ArgumentError(f"--virtual-pipeline-model-parallel-size {vpp}: needs a value >= 2 and "
+                            f"--pipeline-model-parallel-size >= 2")
+    if args.num_layers % (pp * chunks):
+        raise ArgumentError(f"--num-layers {args.num_layers} does not split evenly over {pp * chunks} stages "
+                            f"(--pipeline-model-parallel-size {pp}"
+                            f"{f' x --virtual-pipeline-model-parallel-size {vpp}' if vpp else ''}); use a multiple")
+    ep = args.expert_model_parallel_size
+    if ep > 1 and not args.num_experts:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} without --num-experts: a model without experts; "
+                            f"add --num-experts or set it to 1")
+    if args.num_experts and (args.num_experts % ep or dp % ep):
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts} and "
+                            f"the data-parallel size {dp}")
+    if args.num_experts and args.moe_router_topk > args.num_experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel size {dp}")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if vpp is not None and args.pipeline_engine == "megatron" and args.num_microbatches % pp:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} microbatches; "
+                            f"Megatron's interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
+    if args.piper_recipe and args.pipeline_engine != "piper":
+        raise ArgumentError("--piper-recipe chooses Piper's schedule; add --pipeline-engine=piper")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval without --save: name the folder checkpoints go to")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ArgumentError(f"--save-interval {args.save_interval}: must be a positive number of iterations")
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                            f"{args.num_attention_heads}")

@@ -1,0 +1,108 @@
+"""``--save`` / ``--load`` for :mod:`.pretrain_gpt`, in Megatron-LM's legacy ``torch`` layout.
+
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/model_optim_rng.pt    (data-parallel rank 0)
+    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim.pt      (--use-distributed-optimizer)
+
+``model_optim_rng.pt`` holds ``model`` (``model0``, ``model1``... with a virtual pipeline),
+``optimizer``, ``opt_param_scheduler``, ``iteration``, ``consumed_samples`` and the arguments;
+``rng_dp<r>.pt`` each data-parallel rank's random generators. The distributed optimizer's sharded state is gathered to data-parallel rank 0
+(``save_parameter_state``) and scattered back on load. The tracker file is written last, after
+every rank finished writing: a checkpoint cut short by a failure is never the latest one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint", "TRACKER"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _folder(root: str, iteration: int, pp_rank: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}" / f"mp_rank_00_{pp_rank:03d}"
+
+
+def _model_keys(chunks: list) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{k}" for k in range(len(chunks))]
+
+
+def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: int, chunks: list, optimizer,
+                    scheduler) -> None:
+    from megatron.core import parallel_state
+
+    pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    folder = _folder(args.save, iteration, pp_rank)
+    if dp_rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if args.use_distributed_optimizer:
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # collective over data parallel
+    torch.save(_rng_state(), folder / f"rng_dp{dp_rank:03d}.pt")  # each rank's own generators (dropout)
+    if dp_rank == 0:
+        state: dict[str, Any] = {key: chunk.module.state_dict_for_save_checkpoint() if hasattr(chunk, "module")
+                                 else chunk.state_dict_for_save_checkpoint()
+                                 for key, chunk in zip(_model_keys(chunks), chunks)}
+        state.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
+                     iteration=iteration, consumed_samples=consumed_samples, args=vars(args),
+                     checkpoint_version=3.0)
+        partial = folder / f"model_optim_rng.pt.{os.getpid()}"
+        torch.save(state, partial)
+        os.replace(partial, folder / "model_optim_rng.pt")
+    dist.barrier()  # every rank wrote its part: now (and only now) it is the latest
+    if dist.get_rank() == 0:
+        tracker = Path(args.save) / TRACKER
+        tracker.with_suffix(".tmp").write_text(str(iteration))
+        os.replace(tracker.with_suffix(".tmp"), tracker)
+    dist.barrier()
+
+
+def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler) -> tuple[int, int]:
+    """(iteration, consumed samples) of the latest checkpoint under ``args.load``; (0, 0) when
+    the folder has none yet (a fresh run that will save there)."""
+    from megatron.core import parallel_state
+
+    from piper_plugin.adapters.megatron.schedule import ArgumentError
+
+    tracker = Path(args.load) / TRACKER
+    if not tracker.exists():
+        if Path(args.load).exists() and any(Path(args.load).iterdir()) and args.load != args.save:
+            raise ArgumentError(f"--load {args.load}: no {TRACKER} there (not a checkpoint folder, or no checkpoint "
+                                f"finished); point it at the folder --save wrote")
+        return 0, 0
+    iteration = int(tracker.read_text().strip())
+    folder = _folder(args.load, iteration, parallel_state.get_pipeline_model_parallel_rank())
+    state = torch.load(folder / "model_optim_rng.pt", map_location="cpu", weights_only=False)
+    saved = state.get("args", {})
+    for name in ("num_layers", "hidden_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "num_experts"):
+        if saved.get(name) != getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise ArgumentError(f"--load {args.load}: the checkpoint was saved with {flag} {saved.get(name)}, "
+                                f"this run has {getattr(args, name)}; use the same {flag}")
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(state[key], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    if args.use_distributed_optimizer:
+        optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    _set_rng_state(torch.load(folder / f"rng_dp{parallel_state.get_data_parallel_rank():03d}.pt", weights_only=False))
+    return iteration, state["consumed_samples"]
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"random": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,249 @@
+"""A Megatron-style GPT pretraining entry: Megatron-LM's arguments and log lines, Megatron-Core's
+model, DDP, optimizer, LR schedule and data, and a switch for who runs the pipeline::
+
+    torchrun --nproc_per_node=2 -m piper_plugin.adapters.megatron.pretrain_gpt \\
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \\
+        --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --train-iters 20 --lr 1e-3 \\
+        --pipeline-engine=piper
+
+``--pipeline-engine=megatron`` (the default) runs Megatron's own schedules; ``piper`` runs the
+same step through :func:`piper_plugin.adapters.megatron.get_forward_backward_func`. Everything
+else is the same code. Without a GPU it runs on gloo through the CPU path (:mod:`.cpu`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import datetime
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from piper_plugin.adapters.megatron.arguments import parse_args
+from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
+from piper_plugin.adapters.megatron.schedule import ArgumentError
+
+__all__ = ["main", "pretrain"]
+
+
+def _print_last(message: str) -> None:
+    """Megatron-LM's ``print_rank_last``: the last rank reports the loss."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(message, flush=True)
+
+
+def _print_first(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def _padded_vocab(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def build_model(args, vocab_size: int):
+    """This rank's model chunks, each in Megatron's DDP, and the transformer config."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+               moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, add_bias_linear=False,
+               moe_router_load_balancing_type="aux_loss" if args.moe_aux_loss_coeff else "none",
+               moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_token_dispatcher_type="alltoall",
+               expert_model_parallel_size=args.expert_model_parallel_size) if args.num_experts else {}
+    dtype = torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        use_cpu_initialization=on_cpu(), params_dtype=dtype, pipeline_dtype=dtype,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        batch_p2p_comm=not on_cpu(), **moe)  # gloo: batched p2p is wrong at pp=2 (HOST_FRAMEWORKS.md)
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    chunks = []
+    vpp = args.virtual_pipeline_model_parallel_size
+    for k in range(vpp or 1):
+        vp = k if vpp else None
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                         vp_stage=vp)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                            grad_reduce_in_fp32=True)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=model, disable_bucketing=k > 0))
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    return chunks, config
+
+
+def forward_step(data_iterator, model):
+    """Megatron-LM's GPT forward step: the batch's tokens through the model; the loss is the
+    masked sum over tokens with the token count (Megatron divides by it), and the report is
+    ``[loss sum, tokens]`` summed over the data-parallel ranks."""
+    from megatron.core import parallel_state
+
+    batch = next(data_iterator)
+    tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"]
+    output = model(tokens, batch["position_ids"], batch.get("attention_mask"), labels=labels)
+
+    def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+        losses = output_tensor.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+        dist.all_reduce(report, group=parallel_state.get_data_parallel_group())
+        return loss, num_tokens, {"lm loss": report}
+
+    return output, partial(loss_func, loss_mask)
+
+
+def _log_line(iteration: int, args, elapsed_ms: float, lr: float, loss: float | None, grad_norm: float | None,
+              consumed: int, skipped: int, nans: int) -> str:
+    """One line of Megatron-LM's ``training_log``."""
+    stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    line = f" [{stamp}] iteration {iteration:8d}/{args.train_iters:8d} |"
+    line += f" consumed samples: {consumed:12d} |"
+    line += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+    line += f" learning rate: {lr:.6E} |"
+    line += f" global batch size: {args.global_batch_size:5d} |"
+    if loss is not None:
+        line += f" lm loss: {loss:.6E} |"
+    line += " loss scale: 1.0 |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nans:3d} |"
+    return line
+
+
+def pretrain(argv: Sequence[str] | None = None) -> list[float]:
+    """Train as the arguments say; returns the last rank's per-iteration ``lm loss``."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_forward_backward
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from piper_plugin.adapters.megatron import get_forward_backward_func as piper_forward_backward
+    from piper_plugin.adapters.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(argv, world)  # every check before any process group exists
+    cpu = apply_cpu_fixes()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if cpu else "nccl")
+    if not cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    parallel_state.initialize_model_parallel(
+        1, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size)
+    torch.manual_seed(args.seed)
+    if cpu:
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:
+        mrandom.model_parallel_cuda_manual_seed(args.seed)
+
+    tokenizer = ShippedTokenizer(args.tokenizer_file) if args.tokenizer_file else ShippedTokenizer()
+    prefix = args.data_path or shipped_corpus(tokenizer)
+    try:
+        dataset = train_dataset(prefix, tokenizer, seq_length=args.seq_length,
+                                samples=args.train_iters * args.global_batch_size, seed=args.seed)
+    except FileNotFoundError:
+        raise ArgumentError(f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx; give the prefix of a Megatron "
+                            f"indexed dataset (as preprocess_data.py writes it)") from None
+    chunks, config = build_model(args, _padded_vocab(tokenizer.vocab_size, args.make_vocab_size_divisible_by))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+                        bf16=False, fp16=False),
+        chunks)
+    samples = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+    iteration, consumed = load_checkpoint(args, chunks, optimizer, scheduler) if args.load else (0, 0)
+    if iteration:
+        _print_first(f" loaded checkpoint from {args.load} at iteration {iteration}")
+    if args.pipeline_engine == "piper":
+        forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout)
+    else:
+        forward_backward = megatron_forward_backward()
+    _print_first(f" > pipeline engine: {args.pipeline_engine}; {world} ranks = pipeline "
+                 f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}"
+                 f"{f' x virtual {args.virtual_pipeline_model_parallel_size}' if args.virtual_pipeline_model_parallel_size else ''}"
+                 f"; {args.num_microbatches} microbatches of {args.micro_batch_size}")
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    losses: list[float] = []
+    interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
+    skipped = nans = 0
+    while iteration < args.train_iters:
+        iterators = [PretrainingBatches(dataset, micro_batch_size=args.micro_batch_size, dp_size=dp,
+                                        dp_rank=dp_rank, consumed_samples=consumed) for _ in chunks]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = forward_backward(forward_step_func=forward_step,
+                                   data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+                                   num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                                   micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        iteration += 1
+        consumed += args.global_batch_size
+        if ok:
+            scheduler.step(increment=args.global_batch_size)
+        else:
+            skipped += 1
+        if reports:
+            total = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
+            loss = float(total[0] / total[1])
+            nans += int(loss != loss)
+            losses.append(loss)
+            interval_loss += loss
+        interval_iters += 1
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            elapsed = (time.perf_counter() - interval_start) * 1000 / interval_iters
+            _print_last(_log_line(iteration, args, elapsed, optimizer.param_groups[0]["lr"],
+                                  interval_loss / interval_iters if reports else None, grad_norm, consumed, skipped,
+                                  nans))
+            interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save_checkpoint(args, iteration, consumed, chunks, optimizer, scheduler)
+            _print_first(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        save_checkpoint(args, iteration, consumed, chunks, optimizer, scheduler)
+        _print_first(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    return losses
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        pretrain(sys.argv[1:] if argv is None else argv)
+    except ArgumentError as exc:
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(5.0)  # rank 0 says it and the launcher ends the job
+        print(f"piper: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
