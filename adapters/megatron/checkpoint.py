@@ -2,12 +2,16 @@
 
     <dir>/latest_checkpointed_iteration.txt
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/model_optim_rng.pt    (data-parallel rank 0)
-    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim.pt      (--use-distributed-optimizer)
+    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim_dp<r>.pt (--use-distributed-optimizer)
+    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/rng_dp<r>.pt
 
 ``model_optim_rng.pt`` holds ``model`` (``model0``, ``model1``... with a virtual pipeline),
 ``optimizer``, ``opt_param_scheduler``, ``iteration``, ``consumed_samples`` and the arguments;
-``rng_dp<r>.pt`` each data-parallel rank's random generators. The distributed optimizer's sharded state is gathered to data-parallel rank 0
-(``save_parameter_state``) and scattered back on load. The tracker file is written last, after
+``rng_dp<r>.pt`` each data-parallel rank's random generators. With the distributed optimizer
+each data-parallel rank saves the state of its own shard (fp32 training: the shard's main
+parameters are views of the model's, saved with it), so a checkpoint loads with the
+data-parallel size it was saved with (Megatron's gathered ``save_parameter_state`` fails to load
+into torch's Adam, whose per-parameter ``step`` it does not save). The tracker file is written last, after
 every rank finished writing: a checkpoint cut short by a failure is never the latest one.
 """
 from __future__ import annotations
@@ -44,14 +48,15 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
     if dp_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    if args.use_distributed_optimizer:
-        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))  # collective over data parallel
+    if args.use_distributed_optimizer:  # this rank's shard of the optimizer state, as its own file
+        torch.save(_shard_states(optimizer), folder / f"distrib_optim_dp{dp_rank:03d}.pt")
     torch.save(_rng_state(), folder / f"rng_dp{dp_rank:03d}.pt")  # each rank's own generators (dropout)
     if dp_rank == 0:
         state: dict[str, Any] = {key: chunk.module.state_dict_for_save_checkpoint() if hasattr(chunk, "module")
                                  else chunk.state_dict_for_save_checkpoint()
                                  for key, chunk in zip(_model_keys(chunks), chunks)}
-        state.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict(),
+        state.update(optimizer=None if args.use_distributed_optimizer else optimizer.state_dict(),
+                     opt_param_scheduler=scheduler.state_dict(),
                      iteration=iteration, consumed_samples=consumed_samples, args=vars(args),
                      checkpoint_version=3.0)
         partial = folder / f"model_optim_rng.pt.{os.getpid()}"
@@ -90,12 +95,30 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
                                 f"this run has {getattr(args, name)}; use the same {flag}")
     for key, chunk in zip(_model_keys(chunks), chunks):
         (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(state[key], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
     if args.use_distributed_optimizer:
-        optimizer.load_parameter_state(str(folder / "distrib_optim.pt"))
+        dp_rank = parallel_state.get_data_parallel_rank()
+        path = folder / f"distrib_optim_dp{dp_rank:03d}.pt"
+        if not path.exists():
+            raise ArgumentError(f"--load {args.load}: no optimizer shard for data-parallel rank {dp_rank} (saved with "
+                                f"another data-parallel size or without --use-distributed-optimizer); load with the "
+                                f"layout it was saved with")
+        for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
+            inner.load_state_dict(saved)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(torch.load(folder / f"rng_dp{parallel_state.get_data_parallel_rank():03d}.pt", weights_only=False))
     return iteration, state["consumed_samples"]
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers under a Megatron optimizer (one per chained optimizer): with the
+    distributed optimizer each steps this rank's shard of the main parameters."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _shard_states(optimizer) -> list[dict[str, Any]]:
+    return [inner.state_dict() for inner in _inner_optimizers(optimizer)]
 
 
 def _rng_state() -> dict[str, Any]:

@@ -129,6 +129,8 @@ def _log_line(iteration: int, args, elapsed_ms: float, lr: float, loss: float | 
 
 def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     """Train as the arguments say; returns the last rank's per-iteration ``lm loss``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(argv, world)  # every check before Megatron is imported or any process group exists
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -139,8 +141,6 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     from piper_plugin.adapters.megatron.checkpoint import load_checkpoint, save_checkpoint
     from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(argv, world)  # every check before any process group exists
     cpu = apply_cpu_fixes()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():

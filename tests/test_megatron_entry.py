@@ -1,0 +1,133 @@
+"""The shipped Megatron-style entry, ``piper_plugin.adapters.megatron.pretrain_gpt``, end to end:
+the same job under ``--pipeline-engine=megatron`` and ``=piper`` logs the same losses; a run
+saved at iteration 5 and loaded again logs iterations 6-10 as the uninterrupted run did; bad
+arguments end in one ``piper: error:`` line before any rank starts.
+
+Ranks are forked gloo processes calling the entry's ``pretrain`` (what ``torchrun -m`` runs);
+one test runs the issue's own ``torchrun`` command.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from forkserver_ranks import run_ranks
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--seed", "7"]
+
+
+def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PIPER_CACHE": cache,
+                       "OMP_NUM_THREADS": "1"})
+    try:
+        from piper_plugin.adapters.megatron.pretrain_gpt import pretrain
+
+        report = {"losses": pretrain(argv)}
+    except BaseException as exc:  # noqa: BLE001 - the test shows the rank's error
+        import traceback
+
+        report = {"error": f"rank {rank}: {exc!r}\n{traceback.format_exc()}"}
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.put((rank, report))
+
+
+def _losses(world: int, argv: list[str], cache) -> list[float]:
+    reports = run_ranks(_rank, world, world, argv, str(cache), timeout_s=300)
+    errors = [r["error"] for r in reports.values() if "error" in r]
+    assert not errors, errors[0]
+    return reports[world - 1]["losses"]  # the last rank holds the last stage
+
+
+def _both(world: int, argv: list[str], cache) -> tuple[list[float], list[float]]:
+    return (_losses(world, argv + ["--pipeline-engine=megatron"], cache),
+            _losses(world, argv + ["--pipeline-engine=piper"], cache))
+
+
+@pytest.mark.slow
+def test_piper_engine_logs_megatrons_losses_1f1b(tmp_path):
+    megatron, piper = _both(2, BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                                       "--train-iters", "4"], tmp_path)
+    assert len(piper) == 4 and piper == megatron  # dropout 0.1 included: same order of forwards per stage
+    assert piper[-1] < piper[0]
+
+
+@pytest.mark.slow
+def test_piper_engine_interleaved_and_moe(tmp_path):
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    megatron, piper = _both(2, BASE + no_dropout + ["--pipeline-model-parallel-size", "2",
+                                                    "--virtual-pipeline-model-parallel-size", "2",
+                                                    "--global-batch-size", "8", "--train-iters", "3"], tmp_path)
+    assert piper == pytest.approx(megatron, rel=1e-5, abs=0)
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    megatron, piper = _both(2, BASE + no_dropout + moe + ["--pipeline-model-parallel-size", "2",
+                                                          "--global-batch-size", "8", "--train-iters", "3"], tmp_path)
+    assert piper == pytest.approx(megatron, rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
+    """``--save`` at iteration 5, ``--load`` then logs iterations 6-10 as the run that went on
+    did (pp 2 x dp 2, distributed optimizer, LR decaying)."""
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
+                   "--hidden-dropout", "0", "--attention-dropout", "0", "--pipeline-engine=piper",
+            "--lr-decay-iters", "10"]  # the schedule of the 10-iteration run in all three
+    whole = _losses(4, argv + ["--train-iters", "10"], tmp_path)
+    ckpt = tmp_path / "ckpt"
+    first = _losses(4, argv + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "5"], tmp_path)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
+    rest = _losses(4, argv + ["--train-iters", "10", "--load", str(ckpt)], tmp_path)
+    assert first == whole[:5]
+    assert rest == pytest.approx(whole[5:], rel=1e-6, abs=0)
+
+
+BAD = [
+    (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3 does not divide the 2 ranks"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5"], "--num-layers 5 does not split evenly"),
+    (["--global-batch-size", "7"], "--global-batch-size 7 is not a multiple"),
+    (["--piper-recipe", "1f1b"], "add --pipeline-engine=piper"),
+    (["--expert-model-parallel-size", "2"], "without --num-experts"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+    (["--pipeline-engine", "deepspeed"], "invalid choice: 'deepspeed'"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: must be a positive integer"),
+    (["--save-interval", "5"], "--save-interval without --save"),
+    (["--data-parallel-size", "4"], "--data-parallel-size 4"),
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD, ids=[m.split(":")[0][:30] for _, m in BAD])
+def test_bad_arguments_end_in_one_line_before_any_rank_starts(extra, message, capsys, monkeypatch):
+    from piper_plugin.adapters.megatron.pretrain_gpt import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(BASE + ["--train-iters", "2"] + extra) == 2  # a repeated argument: the last one counts
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("piper: error: ") and message in errors[0], errors
+
+
+def test_the_entry_says_one_line_and_exits_2_without_a_traceback():
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "piper_plugin.adapters.megatron.pretrain_gpt", *BASE,
+                           "--train-iters", "2", "--pipeline-model-parallel-size", "3"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("piper: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "--pipeline-model-parallel-size 3" in errors[0]
+
+
+@pytest.mark.slow
+def test_a_recipe_whose_layout_megatron_did_not_build_is_refused_by_name(tmp_path):
+    reports = run_ranks(_rank, 2, 2, BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                                             "--train-iters", "1", "--pipeline-engine=piper",
+                                             "--virtual-pipeline-model-parallel-size", "2",
+                                             "--piper-recipe", "dualpipev"], str(tmp_path), timeout_s=300)
+    assert all("--piper-recipe dualpipev" in r.get("error", "") for r in reports.values()), reports
