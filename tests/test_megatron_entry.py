@@ -74,6 +74,21 @@ def test_piper_engine_interleaved_and_moe(tmp_path):
 
 
 @pytest.mark.slow
+def test_uneven_layer_split_and_experts_over_data_parallel_ranks(tmp_path):
+    """5 layers on 2 stages (Megatron's --decoder-first-pipeline-num-layers), and experts split over
+    2 data-parallel ranks (pp 2 x dp 2, their all-to-all inside each stage's forward)."""
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    megatron, piper = _both(2, BASE + no_dropout + ["--num-layers", "5", "--decoder-first-pipeline-num-layers", "3",
+                                                    "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                                                    "--train-iters", "3"], tmp_path)
+    assert piper == pytest.approx(megatron, rel=1e-5, abs=0)
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+    megatron, piper = _both(4, BASE + no_dropout + moe + ["--pipeline-model-parallel-size", "2",
+                                                          "--global-batch-size", "8", "--train-iters", "3"], tmp_path)
+    assert piper == pytest.approx(megatron, rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
 def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
     """``--save`` at iteration 5, ``--load`` then logs iterations 6-10 as the run that went on
     did (pp 2 x dp 2, distributed optimizer, LR decaying)."""
@@ -92,6 +107,8 @@ def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
 BAD = [
     (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3 does not divide the 2 ranks"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "5"], "--num-layers 5 does not split evenly"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "5", "--decoder-first-pipeline-num-layers", "5"],
+     "leaves 0 layers for 1 middle stages"),
     (["--global-batch-size", "7"], "--global-batch-size 7 is not a multiple"),
     (["--piper-recipe", "1f1b"], "add --pipeline-engine=piper"),
     (["--expert-model-parallel-size", "2"], "without --num-experts"),

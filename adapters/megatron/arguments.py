@@ -62,6 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                     help="layers of the first pipeline stage (uneven split; the rest split evenly)")
+    par.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                     help="layers of the last pipeline stage (uneven split; the rest split evenly)")
     par.add_argument("--expert-model-parallel-size", type=int, default=1)
     par.add_argument("--data-parallel-size", type=int, default=None,
                      help="default: world size / (tensor x pipeline); if given it must equal that")
@@ -111,7 +115,10 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if vpp is not None and (vpp < 2 or pp < 2):
         raise ArgumentError(f"--virtual-pipeline-model-parallel-size {vpp}: needs a value >= 2 and "
                             f"--pipeline-model-parallel-size >= 2")
-    if args.num_layers % (pp * chunks):
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        _check_uneven(args, pp, vpp, first, last)
+    elif args.num_layers % (pp * chunks):
         raise ArgumentError(f"--num-layers {args.num_layers} does not split evenly over {pp * chunks} stages "
                             f"(--pipeline-model-parallel-size {pp}"
                             f"{f' x --virtual-pipeline-model-parallel-size {vpp}' if vpp else ''}); use a multiple")
@@ -145,3 +152,22 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
+
+
+def _check_uneven(args: argparse.Namespace, pp: int, vpp: int | None, first: int | None, last: int | None) -> None:
+    """Megatron's uneven split: the first / last stage's layer counts given, the rest even."""
+    if vpp is not None:
+        raise ArgumentError("--decoder-first/last-pipeline-num-layers with --virtual-pipeline-model-parallel-size: "
+                            "give an even split (--num-layers a multiple of the stages) instead")
+    if pp < 2:
+        raise ArgumentError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size >= 2")
+    rest, stages = args.num_layers, pp
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is None:
+            continue
+        if n < 1:
+            raise ArgumentError(f"{flag} {n}: must be a positive number of layers")
+        rest, stages = rest - n, stages - 1
+    if rest < 0 or (stages and (rest % stages or rest == 0)) or (not stages and rest):
+        raise ArgumentError(f"--num-layers {args.num_layers} with first {first} / last {last} leaves {rest} layers "
+                            f"for {stages} middle stages; they must split evenly, at least one each")

@@ -13,8 +13,10 @@ Transformer Engine), but running them touches CUDA in a few kinds of places
   name of the same dtype (the only thing those checks read). Modes are per thread:
   :func:`cpu_context` enters it on a thread that runs Megatron code (Piper's compute stream);
 * :func:`apply_cpu_fixes` enters it on the calling thread and makes ``torch.cuda``'s
-  device, stream, event and synchronize calls answer for the CPU, and sets the MoE utilities'
-  missing Transformer Engine GEMM to None (its own fallback).
+  device, stream, event and synchronize calls answer for the CPU, sets the MoE utilities'
+  missing Transformer Engine GEMM to None (its own fallback), and lets
+  ``torch.distributed.all_to_all_single`` take split sizes as tensors (Megatron's expert
+  dispatch passes them so; gloo's binding wants lists of ints).
 """
 from __future__ import annotations
 
@@ -130,12 +132,15 @@ def apply_cpu_fixes() -> bool:
             _state["saved"] = {name: getattr(cuda, name) for name in
                                ("current_device", "synchronize", "Stream", "Event", "current_stream",
                                 "default_stream", "stream", "set_device")}
-            cuda.current_device = lambda: 0
+            # "cpu", not an index: Megatron passes it as a device, also where no mode is active
+            # (a custom autograd Function's backward runs outside the caller's torch function modes)
+            cuda.current_device = lambda: "cpu"
             cuda.synchronize = lambda *a, **k: None
             cuda.set_device = lambda *a, **k: None
             cuda.Stream, cuda.Event = _Stream, _Event
             cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
             cuda.stream = lambda *a, **k: contextlib.nullcontext()
+            _split_sizes_as_lists()
             try:
                 from megatron.core.transformer.moe import moe_utils
                 if not hasattr(moe_utils, "te_general_gemm"):
@@ -150,3 +155,21 @@ def apply_cpu_fixes() -> bool:
 
 
 _thread_mode = threading.local()
+
+
+def _split_sizes_as_lists() -> None:
+    import functools
+
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single

@@ -66,6 +66,8 @@ def build_model(args, vocab_size: int):
         use_cpu_initialization=on_cpu(), params_dtype=dtype, pipeline_dtype=dtype,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         batch_p2p_comm=not on_cpu(), **moe)  # gloo: batched p2p is wrong at pp=2 (HOST_FRAMEWORKS.md)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     chunks = []
