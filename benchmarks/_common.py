@@ -439,7 +439,7 @@ def code_version() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, timeout=10).stdout.strip()
-        diff = subprocess.run(["git", "diff", "HEAD", "--", "piper_plugin", "recipes"], cwd=root,
+        diff = subprocess.run(["git", "diff", "HEAD", "--", "piper_plugin", "recipes", "adapters"], cwd=root,
                               capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return "code version unknown"

@@ -1,0 +1,177 @@
+"""A/B: Piper's drop-in ``get_forward_backward_func`` vs Megatron-Core's own schedules.
+
+One Megatron-Core GPT (the ``pretrain_gpt`` entry's model, DDP, optimizer and data: Megatron's
+``GPTDataset`` over the shipped corpus) on 2 gloo ranks. Each round forks fresh ranks that hold
+one model and alternate steps megatron, piper, piper, megatron, ... (both engines train the same
+model in turn, so the machine's drift hits both alike). A step is timed on every rank from a
+common barrier to the end of the optimizer step; its time is the slowest rank's.
+Reported per schedule: median step time of each engine, the ratio Piper / Megatron, and the
+cycle ratio (median over megatron-piper-piper-megatron cycles of Piper's two steps over
+Megatron's two). Correctness is the tests' job (tests/test_megatron_parity.py); here the two
+engines' losses on their first steps are shown side by side as a sanity check.
+
+    python -m benchmarks.megatron_ab                      # the published table
+    python -m benchmarks.megatron_ab --layers 4 --hidden 64 --rounds 1 --steps 2
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (
+    code_version, command_line, fmt_ms, machine_line, markdown_table, median, run_ranks, wait_for_quiet, write_result,
+)
+
+__all__ = ["main", "build_parser", "SCHEDULES"]
+
+# schedule -> extra entry arguments (Megatron's engine picks its schedule from the virtual size)
+SCHEDULES: dict[str, list[str]] = {
+    "1f1b": [],
+    "interleaved": ["--virtual-pipeline-model-parallel-size", "2"],
+}
+ENGINES = ("megatron", "piper")
+
+
+def _entry_argv(args: argparse.Namespace, schedule: str) -> list[str]:
+    return ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads",
+            str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size", str(args.micro_batch),
+            "--global-batch-size", str(args.global_batch), "--train-iters", str(1000), "--lr", "1e-4",
+            "--pipeline-model-parallel-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--seed", str(args.seed), *SCHEDULES[schedule]]
+
+
+def _alternating(rank: int, world: int, *, argv: list[str], warmup: int, steps: int) -> dict[str, Any]:
+    """In a forked rank: build the model once, then alternate engines step by step."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_forward_backward
+
+    from piper_plugin.adapters.megatron import apply_cpu_fixes, get_forward_backward_func
+    from piper_plugin.adapters.megatron.arguments import parse_args
+    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
+    from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_step
+
+    args = parse_args(argv, world)
+    apply_cpu_fixes()
+    parallel_state.initialize_model_parallel(1, 2, args.virtual_pipeline_model_parallel_size)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.manual_seed(args.seed)
+    tokenizer = ShippedTokenizer()
+    dataset = train_dataset(shipped_corpus(tokenizer), tokenizer, seq_length=args.seq_length,
+                            samples=4 * (warmup + steps) * args.global_batch_size, seed=args.seed)
+    chunks, _ = build_model(args, -(-tokenizer.vocab_size // 128) * 128)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False, fp16=False,
+                                                       clip_grad=1.0), chunks)
+    engines = {"megatron": megatron_forward_backward(), "piper": get_forward_backward_func()}
+    consumed = 0
+    record: dict[str, dict[str, list]] = {e: {"times": [], "losses": []} for e in ENGINES}
+    order = [e for i in range(warmup + steps) for e in (("megatron", "piper") if i % 2 == 0 else ("piper", "megatron"))]
+    for engine in order:
+        iterators = [PretrainingBatches(dataset, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0,
+                                        consumed_samples=consumed) for _ in chunks]
+        dist.barrier()
+        start = time.perf_counter()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = engines[engine](forward_step_func=forward_step,
+                                  data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+                                  num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, forward_only=False)
+        optimizer.step()
+        record[engine]["times"].append(time.perf_counter() - start)
+        consumed += args.global_batch_size
+        if reports:
+            total = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
+            record[engine]["losses"].append(float(total[0] / total[1]))
+    return {e: {"times": r["times"][warmup:], "losses": r["losses"]} for e, r in record.items()}
+
+
+def _cycle_ratios(piper: Sequence[float], megatron: Sequence[float]) -> list[float]:
+    """Steps alternate m p | p m | m p ...: step i of both engines share a stretch of time."""
+    return [p / m for p, m in zip(piper, megatron)]
+
+
+def run_schedule(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
+    times: dict[str, list[float]] = {e: [] for e in ENGINES}
+    cycles: list[float] = []
+    losses: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        wait_for_quiet(args.quiet_wait)
+        fn = functools.partial(_alternating, argv=_entry_argv(args, schedule), warmup=args.warmup, steps=args.steps)
+        results = run_ranks(2, fn, timeout_s=args.timeout)
+        slowest = {e: [max(ts) for ts in zip(*(r[e]["times"] for r in results.values()))] for e in ENGINES}
+        for e in ENGINES:
+            times[e] += slowest[e]
+        cycles += _cycle_ratios(slowest["piper"], slowest["megatron"])
+        last = results[max(results)]
+        losses = losses or {e: last[e]["losses"][:2] for e in ENGINES}
+    return {"times": times, "cycles": cycles, "losses": losses}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.megatron_ab", description=__doc__.split("\n")[0])
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--quiet-wait", type=float, default=60.0)
+    p.add_argument("--out", type=Path, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    version = code_version()
+    rows = []
+    for schedule in args.schedules:
+        got = run_schedule(args, schedule)
+        piper, megatron = median(got["times"]["piper"]), median(got["times"]["megatron"])
+        rows.append([schedule, fmt_ms(piper), fmt_ms(megatron), f"**{piper / megatron:.3f}**",
+                     f"{statistics.median(got['cycles']):.3f} ({len(got['cycles'])})",
+                     " / ".join(f"{x:.4f}" for x in got["losses"]["megatron"]),
+                     " / ".join(f"{x:.4f}" for x in got["losses"]["piper"])])
+        print(rows[-1], flush=True)
+    text = "\n".join([
+        "# Piper vs Megatron-Core's schedules: step time", "",
+        f"Command: `{command_line('megatron_ab', args, parser)}`", "",
+        f"Machine: {machine_line()} ({version} when the run started).", "",
+        f"Model: Megatron-Core GPTModel (local layer spec), {args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads, seq {args.seq}, the shipped corpus through Megatron's GPTDataset; pipeline 2 "
+        f"(interleaved: 2 model chunks per rank), global batch {args.global_batch} in microbatches of "
+        f"{args.micro_batch}; Megatron's DDP and Adam. Per round: freshly forked ranks hold one model and "
+        f"alternate the engines step by step (m p, p m, ...), {args.warmup} warm-up + {args.steps} timed steps "
+        f"each; {args.rounds} rounds. Step time = slowest rank, barrier to end of optimizer step. The engines "
+        f"train the same model in turn, so their losses below are of different steps (the first two of each: "
+        f"a sanity check only; parity is tested in tests/test_megatron_parity.py).", "",
+        markdown_table(["schedule", "Piper median ms", "Megatron median ms", "ratio Piper/Megatron",
+                        "paired-step ratio (pairs)", "Megatron losses (its first 2 steps)", "Piper losses (its first 2 steps)"],
+                       rows), ""])
+    path = write_result(args.out, "megatron_ab.md", text)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
