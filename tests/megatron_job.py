@@ -62,8 +62,11 @@ def _global_name(chunk, name: str, tied: bool) -> str:
     name = name.removeprefix("module.")
     match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
     if match:
-        layer = _inner(chunk).decoder.layers[int(match.group(1))]
-        return f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+        inner = _inner(chunk)
+        layer = inner.decoder.layers[int(match.group(1))]
+        stage = getattr(inner, "piper_stage", None)  # a stage built as a model of its own: local numbers
+        offset = 0 if stage is None else stage * len(inner.decoder.layers)
+        return f"decoder.layers.{offset + layer.layer_number - 1}.{match.group(2)}"
     if tied and name == "output_layer.weight":
         return "embedding.word_embeddings.weight"
     return name
@@ -123,6 +126,32 @@ def _forward_step(loss_tuple: int, data_iterator, model):
     return output, partial(loss_func, data["loss_mask"])
 
 
+def _v_chunks(scenario: dict) -> list:
+    """This rank's stages in DualPipeV's V, built as the shipped entry builds them (untied)."""
+    from megatron.core import parallel_state
+
+    from piper_plugin.adapters.megatron.arguments import parse_args
+    from piper_plugin.adapters.megatron.pretrain_gpt import build_model
+    from piper_plugin.adapters.megatron.schedule import stage_placement
+
+    pp = scenario["pp"]
+    argv = ["--num-layers", str(scenario["layers"]), "--hidden-size", str(scenario["hidden"]),
+            "--num-attention-heads", str(scenario["heads"]), "--ffn-hidden-size", str(scenario["ffn"]),
+            "--seq-length", str(scenario["seq"]), "--micro-batch-size", str(scenario["mbs"]), "--train-iters", "1",
+            "--lr", "1", "--pipeline-model-parallel-size", str(pp), "--virtual-pipeline-model-parallel-size", "2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights",
+            "--global-batch-size", str(scenario["mbs"] * scenario["microbatches"] * (scenario["world"] // pp)),
+            "--pipeline-engine", "piper", "--piper-recipe", "dualpipev"]
+    if scenario["moe"]:
+        argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+                 "--moe-aux-loss-coeff", str(scenario["aux_loss"])]
+    args = parse_args(argv, scenario["world"])
+    placement = stage_placement("dualpipev", pp=pp, stages=2 * pp, microbatches=scenario["microbatches"])
+    assert parallel_state.get_pipeline_model_parallel_world_size() == pp
+    chunks, _ = build_model(args, scenario["vocab"], placement)
+    return chunks
+
+
 def _train(rank: int, port: int, scenario: dict) -> dict:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     import torch
@@ -157,8 +186,8 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
         pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=scenario["batch_p2p_comm"], **moe)
     spec = get_gpt_layer_local_spec(num_experts=4 if scenario["moe"] else None, moe_grouped_gemm=False)
-    chunks = []
-    for k in range(vpp or 1):
+    chunks = [] if scenario.get("layout") != "v" else _v_chunks(scenario)
+    for k in range(0 if chunks else (vpp or 1)):
         vp = k if vpp else None
         chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=scenario["vocab"],
                          max_sequence_length=scenario["seq"], share_embeddings_and_output_weights=scenario["tied"],
@@ -169,12 +198,13 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                                             overlap_grad_reduce=scenario.get("overlap_grad_reduce", False))
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
                                               disable_bucketing=k > 0))
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+    if scenario.get("layout") != "v":  # else the entry's build set them
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     m = scenario["microbatches"]
-    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    last = any(_inner(c).post_process for c in chunks)  # holds the loss (DualPipeV's V: pipeline rank 0)
     report: dict = {}
     for engine in scenario["engines"]:
         _set_weights([c.module for c in chunks], scenario["tied"])

@@ -127,3 +127,13 @@ def test_four_stages_and_zero_bubble_recipes():
     reports = _reports(4, pp=4, engines=("megatron", "piper", "piper:zb-h1", "piper:gpipe"), steps=2)
     for engine in ("piper", "piper:zb-h1", "piper:gpipe"):
         _assert_same_training(reports, engine, reports, "megatron")
+
+
+@pytest.mark.slow
+def test_dualpipev_with_stages_built_in_its_v_equals_single_device_training():
+    """DualPipeV's V (rank 0 holds the first and last stages): each stage built as a model of its
+    own by the shipped entry's builder, marked with its stage; MoE with the aux loss."""
+    scenario = dict(pp=2, layout="v", tied=False, moe=True, engines=("piper:dualpipev",), steps=2)
+    reports = _reports(2, **scenario)
+    reference = _reference(4, **{k: v for k, v in scenario.items() if k not in ("pp", "layout", "engines")})
+    _assert_same_training(reports, "piper:dualpipev", reference, "megatron")

@@ -12,6 +12,7 @@ else is the same code. Without a GPU it runs on gloo through the CPU path (:mod:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -24,15 +25,20 @@ import torch.distributed as dist
 
 from piper_plugin.adapters.megatron.arguments import parse_args
 from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
-from piper_plugin.adapters.megatron.schedule import ArgumentError
+from piper_plugin.adapters.megatron.schedule import ArgumentError, stage_placement
 
 __all__ = ["main", "pretrain"]
 
 
-def _print_last(message: str) -> None:
-    """Megatron-LM's ``print_rank_last``: the last rank reports the loss."""
-    if dist.get_rank() == dist.get_world_size() - 1:
-        print(message, flush=True)
+def _reports_loss(placement: dict[int, int] | None) -> bool:
+    """Megatron-LM's ``print_rank_last``: the rank holding the last stage in the last
+    data-parallel replica reports the loss (the global last rank in Megatron's layout)."""
+    from megatron.core import parallel_state
+
+    pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
+    last_stage_rank = placement[len(placement) - 1] if placement else pp - 1
+    dp_last = parallel_state.get_data_parallel_rank() == parallel_state.get_data_parallel_world_size() - 1
+    return pp_rank == last_stage_rank and dp_last
 
 
 def _print_first(message: str) -> None:
@@ -44,13 +50,7 @@ def _padded_vocab(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
-def build_model(args, vocab_size: int):
-    """This rank's model chunks, each in Megatron's DDP, and the transformer config."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def transformer_config(args):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
@@ -59,7 +59,7 @@ def build_model(args, vocab_size: int):
                moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_token_dispatcher_type="alltoall",
                expert_model_parallel_size=args.expert_model_parallel_size) if args.num_experts else {}
     dtype = torch.float32
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -69,23 +69,66 @@ def build_model(args, vocab_size: int):
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         batch_p2p_comm=not on_cpu(), **moe)  # gloo: batched p2p is wrong at pp=2 (HOST_FRAMEWORKS.md)
+
+
+def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
+    """This rank's model chunks, each in Megatron's DDP, and the transformer config.
+
+    ``placement`` (stage -> pipeline rank, from the Piper recipe) other than Megatron's loop
+    layout builds each of this rank's stages as a chunk of its own (``piper_stage``): its share
+    of the layers, the embedding on stage 0, the output layer on the last (untied)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = transformer_config(args)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
-    chunks = []
-    vpp = args.virtual_pipeline_model_parallel_size
-    for k in range(vpp or 1):
-        vp = k if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+    pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+    loop = placement is None or all(rank == s % pp for s, rank in placement.items())
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = list(range(vpp or 1)) if loop else sorted(s for s, rank in placement.items() if rank == pp_rank)
+    if not loop:
+        _check_own_layout(args, placement)
+    chunks, configs = [], []
+    for k, stage in enumerate(stages):
+        if loop:
+            vp = k if vpp else None
+            chunk_config = config
+            first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        else:  # one stage as a model of its own: its layers, no pipeline of Megatron's around it
+            vp, first, last = None, stage == 0, stage == len(placement) - 1
+            chunk_config = dataclasses.replace(
+                config, num_layers=args.num_layers // len(placement), pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None)
+        model = GPTModel(config=chunk_config, transformer_layer_spec=spec, vocab_size=vocab_size,
                          max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                         vp_stage=vp)
+                         pre_process=first, post_process=last, vp_stage=vp)
+        if not loop:
+            model.piper_stage = stage
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
                                             grad_reduce_in_fp32=True)
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=model, disable_bucketing=k > 0))
-    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
+        chunks.append(DistributedDataParallel(config=chunk_config, ddp_config=ddp, module=model,
+                                              disable_bucketing=k > 0))
+        configs.append(chunk_config)
+    for chunk_config in {id(c): c for c in configs}.values():
+        chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        chunk_config.finalize_model_grads_func = finalize_model_grads
     return chunks, config
+
+
+def _check_own_layout(args, placement: dict[int, int]) -> None:
+    recipe = f"--piper-recipe {args.piper_recipe}"
+    if not args.untie_embeddings_and_output_weights:
+        raise ArgumentError(f"{recipe} puts the first and last stages on pipeline ranks {placement[0]} and "
+                            f"{placement[len(placement) - 1]}, not Megatron's; its tied embedding reduction "
+                            f"assumes Megatron's layout: add --untie-embeddings-and-output-weights")
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        raise ArgumentError(f"{recipe} with --decoder-first/last-pipeline-num-layers: this layout splits the layers "
+                            f"evenly; drop them")
 
 
 def forward_step(data_iterator, model):
@@ -166,7 +209,12 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     except FileNotFoundError:
         raise ArgumentError(f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx; give the prefix of a Megatron "
                             f"indexed dataset (as preprocess_data.py writes it)") from None
-    chunks, config = build_model(args, _padded_vocab(tokenizer.vocab_size, args.make_vocab_size_divisible_by))
+    placement = (stage_placement(args.piper_recipe, pp=args.pipeline_model_parallel_size,
+                                 stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
+                                 microbatches=args.num_microbatches)
+                 if args.pipeline_engine == "piper" else None)
+    chunks, config = build_model(args, _padded_vocab(tokenizer.vocab_size, args.make_vocab_size_divisible_by),
+                                 placement)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -191,6 +239,7 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                  f"{f' x virtual {args.virtual_pipeline_model_parallel_size}' if args.virtual_pipeline_model_parallel_size else ''}"
                  f"; {args.num_microbatches} microbatches of {args.micro_batch_size}")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    reporter = _reports_loss(placement)
     losses: list[float] = []
     interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
     skipped = nans = 0
@@ -220,9 +269,10 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
         interval_iters += 1
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             elapsed = (time.perf_counter() - interval_start) * 1000 / interval_iters
-            _print_last(_log_line(iteration, args, elapsed, optimizer.param_groups[0]["lr"],
-                                  interval_loss / interval_iters if reports else None, grad_norm, consumed, skipped,
-                                  nans))
+            if reporter:
+                print(_log_line(iteration, args, elapsed, optimizer.param_groups[0]["lr"],
+                                interval_loss / interval_iters if reports else None, grad_norm, consumed, skipped,
+                                nans), flush=True)
             interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args, iteration, consumed, chunks, optimizer, scheduler)

@@ -9,7 +9,9 @@ microbatch order (every other rank: an empty list).
 
 Invariants:
 - every rank of a pipeline compiles the same plan (its hash is checked as the executor starts);
-  chunk ``k`` of pipeline rank ``r`` is stage ``k * pp + r`` and the recipe must place it there;
+  chunk ``k`` of pipeline rank ``r`` is stage ``k * pp + r`` (Megatron's layout) unless it says
+  otherwise (``piper_stage``, for chunks built in a recipe's own layout, e.g. DualPipeV's V),
+  and the recipe must place it on that rank;
 - each chunk reads its data iterator once per microbatch, item ``i`` for microbatch ``i``,
   whatever order the plan runs microbatches in;
 - gradients accumulate as Megatron's backward leaves them (DDP's ``main_grad`` hooks); with
@@ -35,7 +37,7 @@ from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, StageRun, build_program, hidden_name,
 )
 
-__all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S"]
+__all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement"]
 
 DEFAULT_TIMEOUT_S = 300.0
 _BACKWARDS = ("B", "BI", "BW")
@@ -109,7 +111,7 @@ class _Engine:
         self.config = config
         self.cp_size = (pg_collection.cp.size() if pg_collection is not None
                         else parallel_state.get_context_parallel_world_size())
-        self.stages = {k * pp + pp_rank: c for k, c in enumerate(chunks)}
+        self.stages = {stage_of(c, k, pp, pp_rank): c for k, c in enumerate(chunks)}
         num_stages = pp * len(chunks)
         # every stage's parameters, from the rank that holds it: the same program on every rank
         mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()]
@@ -136,13 +138,14 @@ class _Engine:
             raise ArgumentError(f"--piper-recipe {loaded.name} runs on {plan.grid.world_size} ranks but the pipeline "
                                 f"has {pp} (--pipeline-model-parallel-size); data parallelism stays Megatron's")
         placement = {int(r): rank for r, rank in plan.dag.meta.placement.items()}
-        wrong = {s: r for s, r in placement.items() if r != s % pp}
+        wrong = sorted(s for s in self.stages if placement[s] != pp_rank)
         if wrong:
-            s, r = next(iter(wrong.items()))
-            raise ArgumentError(f"--piper-recipe {loaded.name} puts stage {s} on pipeline rank {r}, but Megatron "
-                                f"built it on rank {s % pp} (chunk k of rank r is stage k x pp + r); use a recipe with "
-                                f"the loop layout (1f1b, interleaved-1f1b, gpipe), or build the model chunks for this "
-                                f"recipe's layout")
+            s = wrong[0]
+            raise ArgumentError(f"--piper-recipe {loaded.name} puts stage {s} on pipeline rank {placement[s]}, but "
+                                f"the model chunk for it was built on rank {pp_rank} (Megatron's layout: chunk k of "
+                                f"rank r is stage k x pp + r); use a recipe with the loop layout (1f1b, "
+                                f"interleaved-1f1b, gpipe, zb-h1), or build the chunks where the recipe places them "
+                                f"(stage_placement) and mark each with its stage (chunk.piper_stage = s)")
         self.plan, self.recipe_name, self.simulation = plan, loaded.name, compiled.simulation
         self.microbatches = microbatches
         specs = {hidden_name(s): ValueSpec(shape, config.pipeline_dtype) for s in range(num_stages - 1)}
@@ -186,7 +189,8 @@ class _Engine:
 
     def run(self, forward_step_func, iterators: list[Iterator | None], *, forward_only: bool,
             collect_non_loss_data: bool, first_val_step, pg_collection, force_all_reduce) -> list[Any]:
-        feeds = {k * self.pp + self.pp_rank: DataFeed(it) for k, it in enumerate(iterators)}
+        feeds = {stage_of(c, k, self.pp, self.pp_rank): DataFeed(it)
+                 for k, (c, it) in enumerate(zip(self.chunks, iterators))}
         run = StageRun(forward_step_func=forward_step_func, feeds=feeds, num_microbatches=self.microbatches,
                        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, cp_size=self.cp_size,
                        first_val_step=first_val_step, store={}, num_tokens={})
@@ -223,6 +227,33 @@ class _Engine:
         if self.last_stage not in self.stages:
             return []
         return [run.store[i] for i in sorted(run.store)]
+
+
+def stage_of(chunk: nn.Module, k: int, pp: int, pp_rank: int) -> int:
+    """The pipeline stage of this rank's ``k``-th chunk: its ``piper_stage`` if it was built for
+    a recipe's own layout, else Megatron's (``k * pp + pp_rank``)."""
+    for module in (chunk, _unwrap(chunk)):
+        if getattr(module, "piper_stage", None) is not None:
+            return int(module.piper_stage)
+    return k * pp + pp_rank
+
+
+def stage_placement(recipe: str | None, *, pp: int, stages: int, microbatches: int) -> dict[int, int]:
+    """Stage -> pipeline rank, as ``recipe`` places ``stages`` stages on ``pp`` ranks (what to
+    build where); a recipe that cannot is refused by name."""
+    name = recipe or ("1f1b" if stages == pp else "interleaved-1f1b")
+    try:
+        loaded = recipes.load(name)
+        program = build_program({s: [("weight", (1,), 4)] for s in range(stages)}, microbatch_size=1,
+                                microbatches=microbatches,
+                                hidden_shape=(1, 1, 1), dtype=torch.float32)
+        plan = compile_program(program, lambda prog: loaded.schedule(
+            prog, pp=pp, dp=1, ep=1, microbatches=microbatches, chunks=max(1, stages // pp), zero=0,
+            bucket_bytes=None)).plan
+    except (DirectiveError, recipes.RecipeError) as exc:
+        raise ArgumentError(f"--piper-recipe {name}: {exc} ({stages} stages on --pipeline-model-parallel-size "
+                            f"{pp})") from None
+    return {int(r): rank for r, rank in plan.dag.meta.placement.items()}
 
 
 def _microbatch(index: int):
