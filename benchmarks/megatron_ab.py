@@ -2,8 +2,9 @@
 
 One Megatron-Core GPT (the ``pretrain_gpt`` entry's model, DDP, optimizer and data: Megatron's
 ``GPTDataset`` over the shipped corpus) on 2 gloo ranks. Each round forks fresh ranks that hold
-one model and alternate steps megatron, piper, piper, megatron, ... (both engines train the same
-model in turn, so the machine's drift hits both alike). A step is timed on every rank from a
+one model per engine (built from the same seed: the same weights where both use Megatron's
+layout) and alternate steps megatron, piper, piper, megatron, ..., so the machine's drift hits
+both alike. A step is timed on every rank from a
 common barrier to the end of the optimizer step; its time is the slowest rank's.
 Reported per schedule: median step time of each engine, the ratio Piper / Megatron, and the
 cycle ratio (median over megatron-piper-piper-megatron cycles of Piper's two steps over
@@ -32,67 +33,82 @@ from benchmarks._common import (
 
 __all__ = ["main", "build_parser", "SCHEDULES"]
 
-# schedule -> extra entry arguments (Megatron's engine picks its schedule from the virtual size)
-SCHEDULES: dict[str, list[str]] = {
-    "1f1b": [],
-    "interleaved": ["--virtual-pipeline-model-parallel-size", "2"],
+# schedule -> (Megatron's arguments, Piper's arguments); Megatron picks its schedule from the
+# virtual size. "dualpipev-moe": Piper's DualPipeV (its V) against Megatron's interleaved
+# schedule, on a MoE model (the paper's comparison).
+_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+_V = ["--virtual-pipeline-model-parallel-size", "2"]
+SCHEDULES: dict[str, tuple[list[str], list[str]]] = {
+    "1f1b": ([], []),
+    "interleaved": (_V, _V),
+    "dualpipev-moe": (_V + _MOE + ["--untie-embeddings-and-output-weights"],
+                      _V + _MOE + ["--untie-embeddings-and-output-weights", "--pipeline-engine", "piper",
+                                   "--piper-recipe", "dualpipev"]),
 }
 ENGINES = ("megatron", "piper")
 
 
-def _entry_argv(args: argparse.Namespace, schedule: str) -> list[str]:
+def _entry_argv(args: argparse.Namespace, schedule: str, engine: str) -> list[str]:
     return ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads",
             str(args.heads), "--seq-length", str(args.seq), "--micro-batch-size", str(args.micro_batch),
             "--global-batch-size", str(args.global_batch), "--train-iters", str(1000), "--lr", "1e-4",
             "--pipeline-model-parallel-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--seed", str(args.seed), *SCHEDULES[schedule]]
+            "--seed", str(args.seed), *SCHEDULES[schedule][ENGINES.index(engine)]]
 
 
-def _alternating(rank: int, world: int, *, argv: list[str], warmup: int, steps: int) -> dict[str, Any]:
-    """In a forked rank: build the model once, then alternate engines step by step."""
+def _alternating(rank: int, world: int, *, argvs: dict[str, list[str]], warmup: int, steps: int) -> dict[str, Any]:
+    """In a forked rank: each engine's model (built from the same seed), then alternate engines
+    step by step, each stepping its own model."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_forward_backward
+    from megatron.core.tensor_parallel import random as mrandom
 
     from piper_plugin.adapters.megatron import apply_cpu_fixes, get_forward_backward_func
     from piper_plugin.adapters.megatron.arguments import parse_args
     from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
     from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_step
+    from piper_plugin.adapters.megatron.schedule import stage_placement
 
-    args = parse_args(argv, world)
+    parsed = {e: parse_args(argv, world) for e, argv in argvs.items()}
+    first = parsed["megatron"]
     apply_cpu_fixes()
-    parallel_state.initialize_model_parallel(1, 2, args.virtual_pipeline_model_parallel_size)
-    from megatron.core.tensor_parallel import random as mrandom
-
+    parallel_state.initialize_model_parallel(1, 2, first.virtual_pipeline_model_parallel_size)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(args.seed)
     tokenizer = ShippedTokenizer()
-    dataset = train_dataset(shipped_corpus(tokenizer), tokenizer, seq_length=args.seq_length,
-                            samples=4 * (warmup + steps) * args.global_batch_size, seed=args.seed)
-    chunks, _ = build_model(args, -(-tokenizer.vocab_size // 128) * 128)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False, fp16=False,
-                                                       clip_grad=1.0), chunks)
-    engines = {"megatron": megatron_forward_backward(), "piper": get_forward_backward_func()}
-    consumed = 0
+    dataset = train_dataset(shipped_corpus(tokenizer), tokenizer, seq_length=first.seq_length,
+                            samples=4 * (warmup + steps) * first.global_batch_size, seed=first.seed)
+    vocab = -(-tokenizer.vocab_size // 128) * 128
+    models = {}
+    for engine, args in parsed.items():
+        torch.manual_seed(args.seed)
+        placement = (stage_placement(args.piper_recipe, pp=2, stages=2 * (args.virtual_pipeline_model_parallel_size or 1),
+                                     microbatches=args.num_microbatches) if engine == "piper" else None)
+        chunks, _ = build_model(args, vocab, placement)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False, fp16=False,
+                                                           clip_grad=1.0), chunks)
+        func = get_forward_backward_func(recipe=args.piper_recipe) if engine == "piper" else megatron_forward_backward()
+        models[engine] = (chunks, optimizer, func, args)
+    consumed = {e: 0 for e in ENGINES}
     record: dict[str, dict[str, list]] = {e: {"times": [], "losses": []} for e in ENGINES}
     order = [e for i in range(warmup + steps) for e in (("megatron", "piper") if i % 2 == 0 else ("piper", "megatron"))]
     for engine in order:
+        chunks, optimizer, func, args = models[engine]
         iterators = [PretrainingBatches(dataset, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0,
-                                        consumed_samples=consumed) for _ in chunks]
+                                        consumed_samples=consumed[engine]) for _ in chunks]
         dist.barrier()
         start = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = engines[engine](forward_step_func=forward_step,
-                                  data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
-                                  num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                                  micro_batch_size=args.micro_batch_size, forward_only=False)
+        reports = func(forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                       model=chunks, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                       micro_batch_size=args.micro_batch_size, forward_only=False)
         optimizer.step()
         record[engine]["times"].append(time.perf_counter() - start)
-        consumed += args.global_batch_size
+        consumed[engine] += args.global_batch_size
         if reports:
             total = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
             record[engine]["losses"].append(float(total[0] / total[1]))
@@ -110,14 +126,14 @@ def run_schedule(args: argparse.Namespace, schedule: str) -> dict[str, Any]:
     losses: dict[str, list[float]] = {}
     for _ in range(args.rounds):
         wait_for_quiet(args.quiet_wait)
-        fn = functools.partial(_alternating, argv=_entry_argv(args, schedule), warmup=args.warmup, steps=args.steps)
+        argvs = {e: _entry_argv(args, schedule, e) for e in ENGINES}
+        fn = functools.partial(_alternating, argvs=argvs, warmup=args.warmup, steps=args.steps)
         results = run_ranks(2, fn, timeout_s=args.timeout)
         slowest = {e: [max(ts) for ts in zip(*(r[e]["times"] for r in results.values()))] for e in ENGINES}
         for e in ENGINES:
             times[e] += slowest[e]
         cycles += _cycle_ratios(slowest["piper"], slowest["megatron"])
-        last = results[max(results)]
-        losses = losses or {e: last[e]["losses"][:2] for e in ENGINES}
+        losses = losses or {e: next(r[e]["losses"][:2] for r in results.values() if r[e]["losses"]) for e in ENGINES}
     return {"times": times, "cycles": cycles, "losses": losses}
 
 
@@ -160,11 +176,13 @@ def main(argv: Sequence[str] | None = None) -> Path:
         f"Model: Megatron-Core GPTModel (local layer spec), {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads, seq {args.seq}, the shipped corpus through Megatron's GPTDataset; pipeline 2 "
         f"(interleaved: 2 model chunks per rank), global batch {args.global_batch} in microbatches of "
-        f"{args.micro_batch}; Megatron's DDP and Adam. Per round: freshly forked ranks hold one model and "
-        f"alternate the engines step by step (m p, p m, ...), {args.warmup} warm-up + {args.steps} timed steps "
-        f"each; {args.rounds} rounds. Step time = slowest rank, barrier to end of optimizer step. The engines "
-        f"train the same model in turn, so their losses below are of different steps (the first two of each: "
-        f"a sanity check only; parity is tested in tests/test_megatron_parity.py).", "",
+        f"{args.micro_batch}; Megatron's DDP and Adam. Per round: freshly forked ranks hold one model per "
+        f"engine (same seed) and alternate the engines step by step (m p, p m, ...), {args.warmup} warm-up + {args.steps} timed steps "
+        f"each; {args.rounds} rounds. Step time = slowest rank, barrier to end of optimizer step. Losses: each "
+        f"engine's first two steps, a sanity check only (parity is tested in tests/test_megatron_parity.py; "
+        f"dualpipev-moe: Piper's DualPipeV with its stages built in its V, against Megatron's interleaved "
+        f"schedule, 2 chunks per rank, 4 experts, top-2, untied embeddings; different layouts initialise "
+        f"differently).", "",
         markdown_table(["schedule", "Piper median ms", "Megatron median ms", "ratio Piper/Megatron",
                         "paired-step ratio (pairs)", "Megatron losses (its first 2 steps)", "Piper losses (its first 2 steps)"],
                        rows), ""])
