@@ -202,3 +202,39 @@ def test_bad_command_lines_end_in_one_line(argv, expected, capsys):
     assert code == 2 and out == ""
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("piper: error: ") and expected in lines[0], err
+
+
+MEGATRON_ARGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+                 "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
+                 "--pipeline-engine=piper"]
+
+
+@pytest.mark.slow
+def test_launch_runs_the_megatron_entry_on_ray_actors(ray_cluster, tmp_path, monkeypatch, capsys):
+    """One launcher for both hosts: ``--host megatron`` runs pretrain_gpt on the actors."""
+    monkeypatch.setenv("PIPER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    code = main(["launch", "--nproc", "2", "--host", "megatron", "--timeout", "300", "--", *MEGATRON_ARGS])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    logged = [line for line in out.splitlines() if line.startswith("(rank 1) ") and "| lm loss:" in line]
+    assert [line.split("iteration")[1].split("/")[0].strip() for line in logged] == ["1", "2", "3"], out[-3000:]
+    assert "> pipeline engine: piper" in out
+    assert _wait_no_rank_actors() == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--nproc", "2", "--host", "megatron"], "no pretrain_gpt arguments: put them after --"),
+    (["--nproc", "3", "--host", "megatron", "--", *MEGATRON_ARGS],
+     "--pipeline-model-parallel-size 2 does not divide the 3 ranks"),
+    (["--nproc", "2", "--host", "megatron", "--", *MEGATRON_ARGS, "--num-layers", "3"],
+     "--num-layers 3 does not split evenly over 2 stages"),
+    (["--nproc", "2", "--host", "deepspeed", "--", *MEGATRON_ARGS], "argument --host: invalid choice: 'deepspeed'"),
+])
+def test_bad_megatron_launch_lines_end_in_one_line_before_ray(argv, expected, capsys):
+    code = main(["launch", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("piper: error: ") and expected in lines[0], err

@@ -1,7 +1,13 @@
-"""``piper launch``: TorchTitan's own trainer on N Ray actors, one per rank.
+"""``piper launch``: a host framework's own trainer on N Ray actors, one per rank.
 
     piper launch --nproc 2 [--address HOST:PORT] [--timeout 600] -- --config llama3_debugmodel_pp2_1f1b \\
         --parallelism.pipeline_engine=piper [any other torchtitan.train flag]
+    piper launch --nproc 2 --host megatron -- --pipeline-model-parallel-size 2 --num-layers 4 ... \\
+        --pipeline-engine=piper [any other pretrain_gpt argument]
+
+``--host torchtitan`` (the default) runs ``torchtitan.train``; ``--host megatron`` runs the
+Megatron adapter's ``pretrain_gpt`` entry (:class:`~piper_plugin.adapters.megatron.launch.MegatronRank`),
+its arguments checked here before Ray starts. The rest below holds for both.
 
 Invariants:
 
@@ -82,8 +88,11 @@ def add_launch_parser(commands) -> argparse.ArgumentParser:
                                     "--head) instead of starting a local one")
     launch_parser.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                                help="stop the job when no rank prints a line for S seconds (default: 600)")
+    launch_parser.add_argument("--host", choices=("torchtitan", "megatron"), default="torchtitan",
+                               help="whose trainer runs: torchtitan.train (default), or the Megatron adapter's "
+                                    "pretrain_gpt entry (Megatron-LM's arguments after --)")
     launch_parser.add_argument("titan_args", nargs=argparse.REMAINDER, metavar="-- TORCHTITAN_ARGS",
-                               help="the arguments of python -m torchtitan.train")
+                               help="the arguments of python -m torchtitan.train (or of pretrain_gpt)")
     launch_parser.set_defaults(run=run_launch)
     return launch_parser
 
@@ -161,6 +170,12 @@ def titan_argv(titan_args: Sequence[str]) -> list[str]:
 def run_launch(args: argparse.Namespace) -> int:
     if args.nproc is None:
         raise UsageError(f"--nproc is missing: pass the number of ranks, e.g. {_EXAMPLE}")
+    if getattr(args, "host", "torchtitan") == "megatron":
+        from piper_plugin.adapters.megatron.launch import MegatronRank, megatron_argv
+
+        launch(args.nproc, megatron_argv(args.titan_args, args.nproc), address=args.address, timeout_s=args.timeout,
+               rank_cls=MegatronRank)
+        return 0
     argv = titan_argv(args.titan_args)
     launch(args.nproc, argv, address=args.address, timeout_s=args.timeout)
     return 0
@@ -220,8 +235,14 @@ class TitanRank:
     """One rank: ``where`` (node, and a free port for the rendezvous), ``run`` (the trainer),
     ``drain`` (output lines since the last call; answers while ``run`` is busy)."""
 
+    program = "torchtitan.train"
+
     def __init__(self) -> None:
         self._capture = _Capture()
+
+    def main(self, argv: list[str]) -> None:
+        """The trainer, in this process (errors and SystemExit propagate)."""
+        train_main(argv)
 
     def where(self) -> tuple[str, str, int]:
         import ray
@@ -238,10 +259,10 @@ class TitanRank:
         self._capture.start()
         result: dict[str, Any] = {"ok": True}
         try:
-            train_main(argv)
+            self.main(argv)
         except SystemExit as exc:  # tyro's argument errors exit; --help exits 0
             if exc.code not in (None, 0):
-                result = {"ok": False, "error": f"torchtitan.train exited with status {exc.code}",
+                result = {"ok": False, "error": f"{self.program} exited with status {exc.code}",
                           "traceback": traceback.format_exc()}
         except BaseException as exc:  # noqa: BLE001 - reported to the driver with its traceback
             lines = traceback.format_exception_only(type(exc), exc)
