@@ -8,7 +8,8 @@ virtual pipeline ``vpp``), builds its model chunks, wraps them in Megatron's DDP
 weights and trains ``steps`` iterations. It reports, by global parameter name (layer numbers as
 the whole model has them, the tied output weight as the embedding): the losses the last stage
 reports, every gradient of the first iteration (after ``finalize_model_grads``), and every
-parameter after the last.
+parameter after the last; and the reports of one evaluation pass (``forward_only``) on held-out
+batches after training.
 
 Weights are set from each parameter's global name, and microbatch ``j`` of the global batch is
 made from ``(iteration, j)``, so a job of any layout (``pp=1``: single-device training) starts
@@ -237,7 +238,14 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                 raise AssertionError(f"rank {rank} is not the last stage but its engine reported {reported}")
         params = {_global_name(c, n, scenario["tied"]): p.detach().clone()
                   for c in chunks for n, p in c.module.named_parameters()}
-        report[engine] = {"losses": losses, "grads": grads, "params": params}
+        batches = [_batch(10_000, dp_rank * m + i, scenario) for i in range(m)]  # held-out data
+        with torch.no_grad():
+            evaluated = func(forward_step_func=partial(_forward_step, scenario["loss_tuple"]),
+                             data_iterator=[iter(list(batches)) for _ in chunks] if len(chunks) > 1
+                             else iter(list(batches)), model=chunks, num_microbatches=m,
+                             seq_length=scenario["seq"], micro_batch_size=scenario["mbs"], forward_only=True)
+        evaluation = [[{k: v.tolist() for k, v in r.items()} for r in evaluated]] if last else []
+        report[engine] = {"losses": losses, "grads": grads, "params": params, "eval": evaluation}
     report["dp"] = dp
     dist.destroy_process_group()
     return report

@@ -32,10 +32,10 @@ def _merged(reports: dict, engine: str, what: str) -> dict[str, np.ndarray]:
     return merged
 
 
-def _losses(reports: dict, engine: str) -> list:
+def _losses(reports: dict, engine: str, what: str = "losses") -> list:
     """Per iteration, the reports of the whole global batch: each pipeline's last stage reports
     its own microbatches (in rank order, which is data-parallel order)."""
-    pipelines = [reports[rank][engine]["losses"] for rank in sorted(reports) if reports[rank][engine]["losses"]]
+    pipelines = [reports[rank][engine][what] for rank in sorted(reports) if reports[rank][engine][what]]
     return [[report for pipeline in pipelines for report in pipeline[step]] for step in range(len(pipelines[0]))]
 
 
@@ -57,7 +57,8 @@ def _assert_same_training(reports: dict, engine: str, reference: dict, ref_engin
     its running magnitude, so float rounding in near-zero gradients grows past ``TOL``."""
     _assert_close(_merged(reports, engine, "grads"), _merged(reference, ref_engine, "grads"), f"{engine} gradients")
     _assert_losses(_losses(reports, engine), _losses(reference, ref_engine))
-    if reports is reference:
+    if reports is reference:  # the same trained weights: the evaluation pass reports the same losses
+        _assert_losses(_losses(reports, engine, "eval"), _losses(reference, ref_engine, "eval"))
         _assert_close(_merged(reports, engine, "params"), _merged(reference, ref_engine, "params"),
                       f"{engine} parameters")
 
