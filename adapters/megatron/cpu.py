@@ -16,7 +16,10 @@ Transformer Engine), but running them touches CUDA in a few kinds of places
   device, stream, event and synchronize calls answer for the CPU, sets the MoE utilities'
   missing Transformer Engine GEMM to None (its own fallback), and lets
   ``torch.distributed.all_to_all_single`` take split sizes as tensors (Megatron's expert
-  dispatch passes them so; gloo's binding wants lists of ints).
+  dispatch passes them so; gloo's binding wants lists of ints), and gives Megatron's RNG tracker a
+  generator standing in for the GPU's (``torch.cuda`` seeding and state calls, and the
+  tracker's own getter and setter), so ``model_parallel_cuda_manual_seed`` runs as on a GPU
+  (CPU ops keep drawing from the CPU generator).
 """
 from __future__ import annotations
 
@@ -141,6 +144,7 @@ def apply_cpu_fixes() -> bool:
             cuda.current_stream = cuda.default_stream = lambda *a, **k: _Stream()
             cuda.stream = lambda *a, **k: contextlib.nullcontext()
             _split_sizes_as_lists()
+            _cpu_generator_as_device_generator()
             try:
                 from megatron.core.transformer.moe import moe_utils
                 if not hasattr(moe_utils, "te_general_gemm"):
@@ -155,6 +159,22 @@ def apply_cpu_fixes() -> bool:
 
 
 _thread_mode = threading.local()
+
+
+def _cpu_generator_as_device_generator() -> None:
+    """A generator of its own stands in for the GPU's: Megatron's RNG tracker seeds, forks and
+    restores it as on a GPU; CPU ops (dropout) keep drawing from the CPU generator."""
+    device = torch.Generator()
+    cuda = torch.cuda
+    cuda.get_rng_state = lambda device_="cuda": device.get_state()
+    cuda.set_rng_state = lambda new_state, device_="cuda": device.set_state(new_state)
+    cuda.manual_seed = lambda seed: device.manual_seed(int(seed))
+    try:
+        from megatron.core.tensor_parallel import random as megatron_random
+    except ImportError:
+        return
+    megatron_random._get_cuda_rng_state = lambda *a, **k: device.get_state()
+    megatron_random._set_cuda_rng_state = lambda new_state, *a, **k: device.set_state(new_state)
 
 
 def _split_sizes_as_lists() -> None:

@@ -196,10 +196,7 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
         1, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size)
     torch.manual_seed(args.seed)
-    if cpu:
-        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    else:
-        mrandom.model_parallel_cuda_manual_seed(args.seed)
+    mrandom.model_parallel_cuda_manual_seed(args.seed)  # on the CPU path the CPU generator is the device's
 
     tokenizer = ShippedTokenizer(args.tokenizer_file) if args.tokenizer_file else ShippedTokenizer()
     prefix = args.data_path or shipped_corpus(tokenizer)
