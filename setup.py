@@ -31,5 +31,7 @@ setup(
         "console_scripts": ["piper=piper_plugin.cli:main"],
         # host adapters' `piper` subcommands: fn(subparsers) adds one (the engine imports no adapter)
         "piper_plugin.commands": ["launch = piper_plugin.adapters.torchtitan.ray_launch:add_launch_parser"],
+        # trainers `piper launch --host NAME` runs: a module with host_argv(args, nproc) and rank_class
+        "piper_plugin.hosts": ["megatron = piper_plugin.adapters.megatron.launch"],
     },
 )

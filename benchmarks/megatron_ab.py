@@ -66,11 +66,10 @@ def _alternating(rank: int, world: int, *, argvs: dict[str, list[str]], warmup: 
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_forward_backward
     from megatron.core.tensor_parallel import random as mrandom
 
-    from piper_plugin.adapters.megatron import apply_cpu_fixes, get_forward_backward_func
-    from piper_plugin.adapters.megatron.arguments import parse_args
-    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
-    from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_step
-    from piper_plugin.adapters.megatron.schedule import stage_placement
+    from piper_plugin.adapters.megatron import (
+        PretrainingBatches, ShippedTokenizer, apply_cpu_fixes, build_model, forward_step, get_forward_backward_func,
+        parse_args, shipped_corpus, stage_placement, train_dataset,
+    )
 
     parsed = {e: parse_args(argv, world) for e, argv in argvs.items()}
     first = parsed["megatron"]

@@ -28,7 +28,8 @@ nothing else from the engine.
   hands values off the rank (an expert all-to-all) with :func:`hand_off` inside a
   :class:`PausedForward`, whose pieces become regions of their own
 - Piper's own launchers: :class:`Job`, a rank of one (:class:`Worker`), :func:`run` ->
-  :class:`RunResult`; :func:`start_ray`
+  :class:`RunResult`; :func:`start_ray`; a host framework's own trainer on Ray actors:
+  :func:`launch_host` with a :class:`HostRank` subclass
 - errors a caller handles: :class:`UsageError`, :class:`CaptureError`, :class:`PlanError`,
   :class:`PlanMismatch`, :class:`WorkerFailed`, :class:`HandOffError`
 """
@@ -52,6 +53,7 @@ from piper_plugin.runtime.worker import Worker
 from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.launch.processes import WorkerFailed
 from piper_plugin.runtime.launch.ray_actors import start_ray
+from piper_plugin.runtime.launch.host_ranks import HostRank, launch_host
 from piper_plugin.training import RunResult, run
 from piper_plugin.train_report import measured_costs, measured_result, write_trace
 from piper_plugin.overlap_report import block_overlap, overlap_blocks
@@ -66,6 +68,6 @@ __all__ = [
     "measured_result", "measured_costs", "write_trace", "overlap_blocks", "block_overlap",
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
-    "Job", "Worker", "run", "RunResult", "start_ray",
+    "Job", "Worker", "run", "RunResult", "start_ray", "HostRank", "launch_host",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

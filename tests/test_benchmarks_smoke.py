@@ -202,3 +202,20 @@ def test_cuda_check_flags_a_timeline_no_stream_could_run():
     faults = cuda_check._timeline_faults(_Plan(), {0: bad}, 1.0)
     assert faults == ["rank 0 compute: F1 starts 500.000 ms before F0 ends",
                       "rank 0: timeline spans 2000.0 ms, the step took 1000.0 ms"]
+
+
+@pytest.mark.slow
+def test_megatron_ab_smoke(tmp_path, capsys):
+    """Megatron-Core's engine against Piper's drop-in, alternating in one set of ranks."""
+    from benchmarks import megatron_ab
+
+    out = tmp_path / "megatron.md"
+    megatron_ab.main(["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--rounds", "1",
+                      "--warmup", "1", "--steps", "2", "--quiet-wait", "0", "--out", str(out)])
+    text = out.read_text()
+    assert "Command: `python -m benchmarks.megatron_ab" in text
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["1f1b", "interleaved", "dualpipev-moe"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].startswith("**") for r in rows)
+    for row in rows[:2]:  # same layout, same seed: both engines' first step sees the same model and batch
+        assert row[5].split(" / ")[0] == row[6].split(" / ")[0]

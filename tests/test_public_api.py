@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # modules whose ``__all__`` is published, and who may import them
 PUBLISHED = ("piper_plugin", "piper_plugin.recipes", "piper_plugin.models", "piper_plugin.autograd")
-ADAPTER_API = ("piper_plugin.adapters.torchtitan",)  # an adapter's own face, for benchmarks
+ADAPTER_API = ("piper_plugin.adapters.torchtitan", "piper_plugin.adapters.megatron")  # adapters' faces, for benchmarks
 
 
 def _type_checking_blocks(tree: ast.AST) -> set[int]:

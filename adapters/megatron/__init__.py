@@ -15,11 +15,18 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from piper_plugin.adapters.megatron.arguments import parse_args
 from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
-from piper_plugin.adapters.megatron.schedule import DEFAULT_TIMEOUT_S, ArgumentError, PiperForwardBackward
+from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
+from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_step, pretrain
+from piper_plugin.adapters.megatron.schedule import (
+    DEFAULT_TIMEOUT_S, ArgumentError, PiperForwardBackward, stage_placement,
+)
 
+# the adapter's face: the drop-in, and the entry's parts (for benchmarks and users' own loops)
 __all__ = ["get_forward_backward_func", "install", "uninstall", "ArgumentError", "PiperForwardBackward",
-           "apply_cpu_fixes", "on_cpu"]
+           "apply_cpu_fixes", "on_cpu", "stage_placement", "parse_args", "build_model", "forward_step", "pretrain",
+           "ShippedTokenizer", "shipped_corpus", "train_dataset", "PretrainingBatches"]
 
 _installed: dict[str, Any] = {}
 

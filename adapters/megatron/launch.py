@@ -1,25 +1,24 @@
 """``piper launch --host megatron``: the :mod:`.pretrain_gpt` entry on Ray actors, one per rank.
 
-The launcher is the one TorchTitan's adapter ships (:mod:`piper_plugin.adapters.torchtitan.ray_launch`:
-torchrun's environment per actor, output forwarded as ``(rank R) <line>``, the earliest failure
-named, silence bounded); here only what differs: the arguments are Megatron-LM's, checked before
-Ray starts, and each actor runs ``pretrain_gpt``.
+Registered in the ``piper_plugin.hosts`` entry-point group (setup.py): ``piper launch`` finds
+``host_argv`` (Megatron-LM's arguments, checked before Ray starts) and ``rank_class``; the actors
+and driver are the engine's (:func:`piper_plugin.launch_host`: torchrun's environment per actor,
+output as ``(rank R) <line>``, the earliest failure named, silence bounded).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from piper_plugin import UsageError
-from piper_plugin.adapters.torchtitan.ray_launch import TitanRank
+from piper_plugin import HostRank, UsageError
 
-__all__ = ["MegatronRank", "megatron_argv", "EXAMPLE"]
+__all__ = ["MegatronRank", "host_argv", "rank_class", "EXAMPLE"]
 
 EXAMPLE = ("piper launch --nproc 2 --host megatron -- --pipeline-model-parallel-size 2 --num-layers 4 "
            "--hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 --global-batch-size 16 "
            "--train-iters 20 --lr 1e-3 --pipeline-engine=piper")
 
 
-def megatron_argv(args: Sequence[str], nproc: int) -> list[str]:
+def host_argv(args: Sequence[str], nproc: int) -> list[str]:
     """What followed ``--``, checked as the entry checks it for ``nproc`` ranks."""
     from piper_plugin.adapters.megatron.arguments import parse_args
 
@@ -34,7 +33,7 @@ def megatron_argv(args: Sequence[str], nproc: int) -> list[str]:
     return argv
 
 
-class MegatronRank(TitanRank):
+class MegatronRank(HostRank):
     """One rank running ``pretrain_gpt`` (its exit status 2 for a refused argument)."""
 
     program = "piper_plugin.adapters.megatron.pretrain_gpt"
@@ -45,3 +44,6 @@ class MegatronRank(TitanRank):
         code = main(argv)
         if code:
             raise SystemExit(code)
+
+
+rank_class = MegatronRank

@@ -15,6 +15,7 @@ microbatches in. Only the hidden states cross ranks.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -113,7 +114,7 @@ class MegatronStageChunk(nn.Module):
         get_attr_wrapped_model(self.chunk, "set_input_tensor")([hidden[0] if hidden else None])
         config = get_attr_wrapped_model(self.chunk, "config")
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if config.enable_autocast
-                    else _null())
+                    else contextlib.nullcontext())
         with autocast:
             output, loss_func = run.forward_step_func(run.feeds[self.stage].for_microbatch(index), self.chunk)
         _set_aux_loss_scales(config, output, run)
@@ -165,14 +166,6 @@ def _set_aux_loss_scales(config, output, run: StageRun) -> None:
         MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / run.num_microbatches)
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 class LocalChunks(nn.Module):
     """This rank's model chunks under ``stages.<s>`` (parameter names as the program has them)."""
 
@@ -217,7 +210,8 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
         regions[str(s)] = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=names, inputs=inputs, outputs=outputs,
             value_bytes={v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs},
-            activation_bytes=hidden_bytes * 8, param_bytes=sum(b for _, _, b in params[s]),
+            activation_bytes=hidden_bytes * 8,  # an estimate: unmeasured (Megatron's stages are not probed)
+            param_bytes=sum(b for _, _, b in params[s]),
             flops=6 * tokens * numel)
     return MegatronProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),

@@ -23,7 +23,6 @@ same chunks, microbatch count and hidden shape.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,13 +33,12 @@ from piper_plugin import DirectiveError, Executor, ExecutorConfig, UsageError, V
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.program import (
-    DataFeed, LocalChunks, StageRun, build_program, hidden_name,
+    DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name,
 )
 
 __all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement"]
 
 DEFAULT_TIMEOUT_S = 300.0
-_BACKWARDS = ("B", "BI", "BW")
 
 
 class ArgumentError(UsageError, ValueError):
@@ -196,7 +194,7 @@ class _Engine:
                        first_val_step=first_val_step, store={}, num_tokens={})
         for chunk in self.executor.state.chunks.values():
             chunk.run = run
-        inputs = {"batch": [_microbatch(i) for i in range(self.microbatches)]}
+        inputs = {"batch": [Microbatch(i) for i in range(self.microbatches)]}
         self.running_backward = not forward_only
         try:
             if forward_only:
@@ -256,12 +254,6 @@ def stage_placement(recipe: str | None, *, pp: int, stages: int, microbatches: i
     return {int(r): rank for r, rank in plan.dag.meta.placement.items()}
 
 
-def _microbatch(index: int):
-    from piper_plugin.adapters.megatron.program import Microbatch
-
-    return Microbatch(index)
-
-
 def _unwrap(module: nn.Module) -> nn.Module:
     while hasattr(module, "module"):
         module = module.module
@@ -282,16 +274,12 @@ def _pipelines(pp_group) -> list[list[int]]:
 
 
 def _last_backwards(plan, rank: int) -> dict[str, int]:
-    """Task key -> stage, for the last backward task of each of ``rank``'s stages."""
+    """Task key -> stage, for the last backward task (B, BI or BW) of each of ``rank``'s stages
+    in its streams' order: after it the stage's gradients for the step are complete on the rank."""
     last: dict[int, str] = {}
     for keys in plan.ranks[rank].streams.values():
         for key in keys:
             node = plan.dag.nodes[key]
-            if node.kind.value in _BACKWARDS:
+            if node.kind.value in ("B", "BI", "BW"):
                 last[node.stage] = key
     return {key: stage for stage, key in last.items()}
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
