@@ -132,9 +132,6 @@ def apply_cpu_fixes() -> bool:
     with _applied:
         if not _state["applied"]:
             cuda = torch.cuda
-            _state["saved"] = {name: getattr(cuda, name) for name in
-                               ("current_device", "synchronize", "Stream", "Event", "current_stream",
-                                "default_stream", "stream", "set_device")}
             # "cpu", not an index: Megatron passes it as a device, also where no mode is active
             # (a custom autograd Function's backward runs outside the caller's torch function modes)
             cuda.current_device = lambda: "cpu"

@@ -25,7 +25,7 @@ import torch.nn as nn
 from piper_plugin import Program, Region
 
 __all__ = ["MegatronProgram", "MegatronStageChunk", "LocalChunks", "Microbatch", "DataFeed", "StageRun",
-           "build_program", "hidden_name", "INPUTS"]
+           "build_program", "hidden_name", "set_aux_loss_scales", "INPUTS"]
 
 INPUTS = ("batch",)
 
@@ -97,27 +97,30 @@ class MegatronStageChunk(nn.Module):
     loss scaling) around the user's ``forward_step_func`` on the model chunk."""
 
     def __init__(self, chunk: nn.Module, stage: int, last: bool):
+        from megatron.core.utils import get_attr_wrapped_model
+
         super().__init__()
         self.chunk, self.stage, self.last = chunk, stage, last
         self.run: StageRun | None = None
+        # what Megatron's forward_step looks up through the wrappers on every call, once
+        object.__setattr__(self, "_set_input_tensor", get_attr_wrapped_model(chunk, "set_input_tensor"))
+        object.__setattr__(self, "_config", get_attr_wrapped_model(chunk, "config"))
 
     def forward(self, *args) -> tuple[torch.Tensor, ...]:
         from megatron.core.pipeline_parallel.schedules import set_current_microbatch
-        from megatron.core.utils import get_attr_wrapped_model
 
-        run, (*hidden, mb) = self.run, args
+        run, config, (*hidden, mb) = self.run, self._config, args
         index = mb.index
-        first = index == 0 if run.first_val_step is None or not run.forward_only else (run.first_val_step and index == 0)
+        # Megatron's check_first_val_step: only a forward-only call may say it is not the first
+        first = index == 0 and (not run.forward_only or run.first_val_step is None or run.first_val_step)
         if first and hasattr(self.chunk, "set_is_first_microbatch"):
             self.chunk.set_is_first_microbatch()
         set_current_microbatch(self.chunk, index)
-        get_attr_wrapped_model(self.chunk, "set_input_tensor")([hidden[0] if hidden else None])
-        config = get_attr_wrapped_model(self.chunk, "config")
+        self._set_input_tensor([hidden[0] if hidden else None])
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if config.enable_autocast
                     else contextlib.nullcontext())
         with autocast:
             output, loss_func = run.forward_step_func(run.feeds[self.stage].for_microbatch(index), self.chunk)
-        _set_aux_loss_scales(config, output, run)
         if not self.last:
             return (output,)
         return (self._loss(output, loss_func, config, run, index),)
@@ -149,21 +152,21 @@ class MegatronStageChunk(nn.Module):
         return loss
 
 
-def _set_aux_loss_scales(config, output, run: StageRun) -> None:
-    """The scale MoE (and multi-token prediction) auxiliary losses start their backward from,
-    as Megatron's schedules set it after every forward."""
-    device = output.device if isinstance(output, torch.Tensor) else torch.device("cpu")
+def set_aux_loss_scales(config, num_microbatches: int, cp_size: int, device: torch.device) -> None:
+    """The scale MoE (and multi-token prediction) auxiliary losses start their backward from.
+    Megatron's schedules set it after every forward to the same value for the whole step; it is
+    set once, before the step."""
     if getattr(config, "num_moe_experts", None) is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
         MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss
-                                            else scale * run.cp_size / run.num_microbatches)
+                                            else scale * cp_size / num_microbatches)
     if getattr(config, "mtp_num_layers", None) is not None:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
         scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
-        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / run.num_microbatches)
+        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / num_microbatches)
 
 
 class LocalChunks(nn.Module):

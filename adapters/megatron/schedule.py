@@ -33,7 +33,7 @@ from piper_plugin import DirectiveError, Executor, ExecutorConfig, UsageError, V
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.program import (
-    DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name,
+    DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
 )
 
 __all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement"]
@@ -195,6 +195,8 @@ class _Engine:
         for chunk in self.executor.state.chunks.values():
             chunk.run = run
         inputs = {"batch": [Microbatch(i) for i in range(self.microbatches)]}
+        device = next((p.device for p in self.chunks[0].parameters()), torch.device("cpu"))
+        set_aux_loss_scales(self.config, self.microbatches, self.cp_size, device)
         self.running_backward = not forward_only
         try:
             if forward_only:

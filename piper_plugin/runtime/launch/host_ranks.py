@@ -84,17 +84,14 @@ class _Capture:
 
 class HostRank:
     """One rank of a host framework's trainer, as a Ray actor: ``where`` (node, and a free port
-    for the rendezvous), ``run`` (the trainer: :meth:`main`, which a host's subclass defines),
-    ``drain`` (output lines since the last call; answers while ``run`` is busy)."""
+    for the rendezvous), ``run`` (the trainer: ``main(argv)``, which every host's subclass
+    defines; :func:`launch_host` refuses a class without it), ``drain`` (output lines since the
+    last call; answers while ``run`` is busy)."""
 
     program = "the trainer"
 
     def __init__(self) -> None:
         self._capture = _Capture()
-
-    def main(self, argv: list[str]) -> None:
-        """The trainer, in this process (errors and SystemExit propagate)."""
-        raise NotImplementedError(f"{type(self).__name__} names no trainer: define main(argv)")
 
     def where(self) -> tuple[str, str, int]:
         import ray
@@ -191,6 +188,8 @@ def launch_host(nproc: int, argv: Sequence[str], rank_cls: type, *, address: str
     """Run ``rank_cls().main(argv)`` (a :class:`HostRank` subclass) on ``nproc`` Ray actors, one per
     rank, with torchrun's environment; raises WorkerFailed. ``timeout_s`` bounds every silence of all
     ranks, ``start_timeout_s`` (default ``timeout_s``) the actors' placement and start."""
+    if not callable(getattr(rank_cls, "main", None)):
+        raise TypeError(f"{rank_cls.__name__} names no trainer: define main(self, argv) on it")
     out = out or sys.stdout
     owned = start_ray(address, num_cpus=max(2, os.cpu_count() or 2))
     import ray
