@@ -11,6 +11,11 @@ reports, every gradient of the first iteration (after ``finalize_model_grads``),
 parameter after the last; and the reports of one evaluation pass (``forward_only``) on held-out
 batches after training.
 
+With ``zero`` (1, 2, 3) the chunks are :class:`ZeroChunk` s and the one engine is Piper's with
+its ZeRO over the data-parallel ranks: gradients and parameters are reported whole (gathered
+from the faces of each rank's rows), with what each rank keeps between steps (``zero``: its
+share of the parameter rows, and whether ZeRO-3's whole parameters were freed).
+
 Weights are set from each parameter's global name, and microbatch ``j`` of the global batch is
 made from ``(iteration, j)``, so a job of any layout (``pp=1``: single-device training) starts
 from the same model and sees the same data.
@@ -27,7 +32,7 @@ __all__ = ["run_job", "SCENARIO"]
 
 SCENARIO = dict(pp=2, vpp=None, layers=4, hidden=64, heads=4, ffn=256, vocab=128, seq=32, mbs=2,
                 microbatches=4, steps=3, lr=1e-3, moe=False, tied=True, distributed_optimizer=False,
-                batch_p2p_comm=True, loss_tuple=3, engines=("megatron", "piper"), aux_loss=1e-2)
+                batch_p2p_comm=True, loss_tuple=3, engines=("megatron", "piper"), aux_loss=1e-2, zero=None)
 
 
 def run_job(world: int, scenario: dict, timeout_s: float = 300.0) -> dict:
@@ -159,7 +164,7 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from piper_plugin.adapters.megatron import apply_cpu_fixes, get_forward_backward_func
+    from piper_plugin.adapters.megatron import ZeroChunk, apply_cpu_fixes, get_forward_backward_func
 
     apply_cpu_fixes()
     world = scenario["world"]
@@ -195,6 +200,9 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                          pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                          post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                          vp_stage=vp)
+        if scenario["zero"]:
+            chunks.append(ZeroChunk(config, chunk))
+            continue
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=scenario["distributed_optimizer"],
                                             overlap_grad_reduce=scenario.get("overlap_grad_reduce", False))
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp, module=chunk,
@@ -207,16 +215,22 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
     m = scenario["microbatches"]
     last = any(_inner(c).post_process for c in chunks)  # holds the loss (DualPipeV's V: pipeline rank 0)
     report: dict = {}
+    zero = scenario["zero"]
+    assert not zero or scenario["engines"] == ("piper",), "ZeroChunks run under Piper's engine only"
+    whole = (lambda t: t.full_tensor()) if zero else (lambda t: t)  # faces of this rank's rows, gathered
     for engine in scenario["engines"]:
         _set_weights([c.module for c in chunks], scenario["tied"])
+        if engine != "megatron":
+            func = get_forward_backward_func(recipe=engine.partition(":")[2] or None, zero=zero)
+            if zero:  # the parameters become faces of this rank's shards before the optimizer sees them
+                func.prepare(model=chunks, num_microbatches=m, seq_length=scenario["seq"],
+                             micro_batch_size=scenario["mbs"])
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=scenario["lr"], weight_decay=0.01, bf16=False, fp16=False,
                             use_distributed_optimizer=scenario["distributed_optimizer"], clip_grad=1.0),
             chunks)
         if engine == "megatron":
             func = megatron_func()
-        else:
-            func = get_forward_backward_func(recipe=engine.partition(":")[2] or None)
         losses, grads = [], {}
         for step in range(scenario["steps"]):
             for c in chunks:
@@ -229,15 +243,20 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                             model=chunks, num_microbatches=m, seq_length=scenario["seq"],
                             micro_batch_size=scenario["mbs"], forward_only=False)
             if step == 0 and not scenario["distributed_optimizer"]:
-                grads = {_global_name(c, n, scenario["tied"]): p.main_grad.detach().clone()
+                grads = {_global_name(c, n, scenario["tied"]): whole(p.grad if zero else p.main_grad).detach().clone()
                          for c in chunks for n, p in c.module.named_parameters()}
             optimizer.step()
             if last:
                 losses.append([{k: v.tolist() for k, v in r.items()} for r in reported])
             elif reported:
                 raise AssertionError(f"rank {rank} is not the last stage but its engine reported {reported}")
-        params = {_global_name(c, n, scenario["tied"]): p.detach().clone()
+        params = {_global_name(c, n, scenario["tied"]): whole(p).detach().clone()
                   for c in chunks for n, p in c.module.named_parameters()}
+        if zero:  # what the rank keeps between steps
+            buckets = func._cached[1].executor.state.buckets.values()
+            report["zero"] = {"rows": sum(p.to_local().numel() for c in chunks for p in c.module.parameters()),
+                              "numel": sum(p.numel() for c in chunks for p in c.module.parameters()),
+                              "whole_resident": any(b.materialized for b in buckets if b.zero == 3)}
         batches = [_batch(10_000, dp_rank * m + i, scenario) for i in range(m)]  # held-out data
         with torch.no_grad():
             evaluated = func(forward_step_func=partial(_forward_step, scenario["loss_tuple"]),

@@ -22,25 +22,29 @@ from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_ste
 from piper_plugin.adapters.megatron.schedule import (
     DEFAULT_TIMEOUT_S, ArgumentError, PiperForwardBackward, stage_placement,
 )
+from piper_plugin.adapters.megatron.zero import ZeroChunk
 
 # the adapter's face: the drop-in, and the entry's parts (for benchmarks and users' own loops)
 __all__ = ["get_forward_backward_func", "install", "uninstall", "ArgumentError", "PiperForwardBackward",
-           "apply_cpu_fixes", "on_cpu", "stage_placement", "parse_args", "build_model", "forward_step", "pretrain",
+           "ZeroChunk", "apply_cpu_fixes", "on_cpu", "stage_placement", "parse_args", "build_model", "forward_step", "pretrain",
            "ShippedTokenizer", "shipped_corpus", "train_dataset", "PretrainingBatches"]
 
 _installed: dict[str, Any] = {}
 
 
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, *,
-                              recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> PiperForwardBackward:
+                              recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                              zero: int | None = None) -> PiperForwardBackward:
     """Megatron's ``get_forward_backward_func``, answered by Piper for every pipeline size.
 
     ``pp_size`` / ``vp_size`` are accepted for Megatron's signature; the plan's stages come from
     the model chunks the function is called with (``len(model)`` per rank x the pipeline group).
     ``recipe``: a Piper recipe name, file or trace (default ``1f1b``; ``interleaved-1f1b`` with
-    several chunks per rank); a wrong one is refused at the first call, naming it."""
+    several chunks per rank); a wrong one is refused at the first call, naming it. ``zero``
+    (1, 2, 3): Piper's ZeRO over the data-parallel ranks, the chunks in :class:`ZeroChunk` and
+    :meth:`PiperForwardBackward.prepare` called before the optimizer is built."""
     apply_cpu_fixes()
-    return PiperForwardBackward(recipe=recipe or _installed.get("recipe"), timeout_s=timeout_s)
+    return PiperForwardBackward(recipe=recipe or _installed.get("recipe"), timeout_s=timeout_s, zero=zero)
 
 
 def install(recipe: str | None = None) -> None:

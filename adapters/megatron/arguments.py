@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--piper-recipe", default=None,
                         help="Piper recipe name, recipe file or JSON trace (default: 1f1b, interleaved-1f1b with a "
                              "virtual pipeline)")
+    engine.add_argument("--piper-zero", type=int, default=None, metavar="{1,2,3}",
+                        help="Piper's ZeRO over the data-parallel ranks instead of Megatron's DDP: 1 shards the "
+                             "optimizer state, 2 also the gradients (reduce-scattered per microbatch), 3 also the "
+                             "parameters (gathered per microbatch, freed after use)")
     engine.add_argument("--piper-timeout", type=float, default=300.0, help="seconds any distributed wait may take")
     return p
 
@@ -142,6 +146,7 @@ def validate(args: argparse.Namespace, world: int) -> None:
                             f"Megatron's interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
     if args.piper_recipe and args.pipeline_engine != "piper":
         raise ArgumentError("--piper-recipe chooses Piper's schedule; add --pipeline-engine=piper")
+    _check_zero(args, dp, ep)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval without --save: name the folder checkpoints go to")
     if args.save_interval is not None and args.save_interval < 1:
@@ -152,6 +157,27 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
+
+
+def _check_zero(args: argparse.Namespace, dp: int, ep: int) -> None:
+    zero = args.piper_zero
+    if zero is None:
+        return
+    if zero not in (1, 2, 3):
+        raise ArgumentError(f"--piper-zero {zero}: the level is 1, 2 or 3")
+    if args.pipeline_engine != "piper":
+        raise ArgumentError(f"--piper-zero {zero} is Piper's ZeRO inside Piper's plan; add --pipeline-engine=piper "
+                            f"(Megatron's engine shards with --use-distributed-optimizer)")
+    if dp < 2:
+        raise ArgumentError(f"--piper-zero {zero} with data-parallel size 1: ZeRO shards over the data-parallel "
+                            f"ranks; launch a multiple of {2 * args.pipeline_model_parallel_size} ranks or drop "
+                            f"--piper-zero")
+    if args.use_distributed_optimizer:
+        raise ArgumentError(f"--piper-zero {zero} with --use-distributed-optimizer: Piper's ZeRO shards the "
+                            f"optimizer state itself; drop --use-distributed-optimizer")
+    if ep > 1:
+        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
+                            f"Megatron runs without expert parallelism for now; drop one of them")
 
 
 def _check_uneven(args: argparse.Namespace, pp: int, vpp: int | None, first: int | None, last: int | None) -> None:

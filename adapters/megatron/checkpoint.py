@@ -3,6 +3,7 @@
     <dir>/latest_checkpointed_iteration.txt
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/model_optim_rng.pt    (data-parallel rank 0)
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim_dp<r>.pt (--use-distributed-optimizer)
+    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/zero_optim_dp<r>.pt    (--piper-zero)
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/rng_dp<r>.pt
 
 ``model_optim_rng.pt`` holds ``model`` (``model0``, ``model1``... with a virtual pipeline),
@@ -13,6 +14,8 @@ parameters are views of the model's, saved with it), so a checkpoint loads with 
 data-parallel size it was saved with (Megatron's gathered ``save_parameter_state`` fails to load
 into torch's Adam, whose per-parameter ``step`` it does not save). The tracker file is written last, after
 every rank finished writing: a checkpoint cut short by a failure is never the latest one.
+Under ``--piper-zero`` the model is gathered whole and saved in the same layout (any engine
+loads it), and each data-parallel rank saves its rows of the optimizer state (:mod:`.zero`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ import os
 import random
 from pathlib import Path
 from typing import Any
+
+from piper_plugin.adapters.megatron.zero import (
+    full_model_state, load_full_model_state, load_local_optimizer_state, local_optimizer_state,
+)
 
 import numpy as np
 import torch
@@ -48,14 +55,18 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
     if dp_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    zero = getattr(args, "piper_zero", None)
     if args.use_distributed_optimizer:  # this rank's shard of the optimizer state, as its own file
         torch.save(_shard_states(optimizer), folder / f"distrib_optim_dp{dp_rank:03d}.pt")
+    if zero:  # this rank's rows of the optimizer state
+        torch.save([local_optimizer_state(inner) for inner in _inner_optimizers(optimizer)],
+                   folder / f"zero_optim_dp{dp_rank:03d}.pt")
     torch.save(_rng_state(), folder / f"rng_dp{dp_rank:03d}.pt")  # each rank's own generators (dropout)
+    models = {key: full_model_state(_module(chunk)) if zero else _module(chunk).state_dict_for_save_checkpoint()
+              for key, chunk in zip(_model_keys(chunks), chunks)}  # under ZeRO: a collective, every rank
     if dp_rank == 0:
-        state: dict[str, Any] = {key: chunk.module.state_dict_for_save_checkpoint() if hasattr(chunk, "module")
-                                 else chunk.state_dict_for_save_checkpoint()
-                                 for key, chunk in zip(_model_keys(chunks), chunks)}
-        state.update(optimizer=None if args.use_distributed_optimizer else optimizer.state_dict(),
+        state: dict[str, Any] = dict(models)
+        state.update(optimizer=None if args.use_distributed_optimizer or zero else optimizer.state_dict(),
                      opt_param_scheduler=scheduler.state_dict(),
                      iteration=iteration, consumed_samples=consumed_samples, args=vars(args),
                      checkpoint_version=3.0)
@@ -93,9 +104,25 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
             flag = "--" + name.replace("_", "-")
             raise ArgumentError(f"--load {args.load}: the checkpoint was saved with {flag} {saved.get(name)}, "
                                 f"this run has {getattr(args, name)}; use the same {flag}")
+    zero = getattr(args, "piper_zero", None)
     for key, chunk in zip(_model_keys(chunks), chunks):
-        (chunk.module if hasattr(chunk, "module") else chunk).load_state_dict(state[key], strict=True)
-    if args.use_distributed_optimizer:
+        if zero:
+            load_full_model_state(_module(chunk), state[key])
+        else:
+            _module(chunk).load_state_dict(state[key], strict=True)
+    if zero:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        path = folder / f"zero_optim_dp{dp_rank:03d}.pt"
+        if not path.exists():
+            raise ArgumentError(f"--load {args.load}: no optimizer rows for data-parallel rank {dp_rank} (saved with "
+                                f"another data-parallel size or without --piper-zero); load with the layout it was "
+                                f"saved with")
+        for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
+            load_local_optimizer_state(inner, saved)
+    elif state.get("optimizer") is None and not args.use_distributed_optimizer:
+        raise ArgumentError(f"--load {args.load}: the checkpoint's optimizer state is sharded (saved with "
+                            f"--piper-zero or --use-distributed-optimizer); load it with the same flag")
+    elif args.use_distributed_optimizer:
         dp_rank = parallel_state.get_data_parallel_rank()
         path = folder / f"distrib_optim_dp{dp_rank:03d}.pt"
         if not path.exists():
@@ -109,6 +136,10 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(torch.load(folder / f"rng_dp{parallel_state.get_data_parallel_rank():03d}.pt", weights_only=False))
     return iteration, state["consumed_samples"]
+
+
+def _module(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
 
 
 def _inner_optimizers(optimizer) -> list:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from piper_plugin.adapters.megatron.arguments import parse_args
 from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
 from piper_plugin.adapters.megatron.schedule import ArgumentError, stage_placement
+from piper_plugin.adapters.megatron.zero import ZeroChunk
 
 __all__ = ["main", "pretrain"]
 
@@ -72,7 +73,8 @@ def transformer_config(args):
 
 
 def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
-    """This rank's model chunks, each in Megatron's DDP, and the transformer config.
+    """This rank's model chunks, each in Megatron's DDP (in a :class:`~.zero.ZeroChunk` under
+    ``--piper-zero``: Piper's plan reduces and shards), and the transformer config.
 
     ``placement`` (stage -> pipeline rank, from the Piper recipe) other than Megatron's loop
     layout builds each of this rank's stages as a chunk of its own (``piper_stage``): its share
@@ -109,10 +111,13 @@ def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
                          pre_process=first, post_process=last, vp_stage=vp)
         if not loop:
             model.piper_stage = stage
-        ddp = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
-                                            grad_reduce_in_fp32=True)
-        chunks.append(DistributedDataParallel(config=chunk_config, ddp_config=ddp, module=model,
-                                              disable_bucketing=k > 0))
+        if getattr(args, "piper_zero", None):
+            chunks.append(ZeroChunk(chunk_config, model))
+        else:
+            ddp = DistributedDataParallelConfig(use_distributed_optimizer=args.use_distributed_optimizer,
+                                                grad_reduce_in_fp32=True)
+            chunks.append(DistributedDataParallel(config=chunk_config, ddp_config=ddp, module=model,
+                                                  disable_bucketing=k > 0))
         configs.append(chunk_config)
     for chunk_config in {id(c): c for c in configs}.values():
         chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
@@ -212,6 +217,14 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                  if args.pipeline_engine == "piper" else None)
     chunks, config = build_model(args, _padded_vocab(tokenizer.vocab_size, args.make_vocab_size_divisible_by),
                                  placement)
+    if args.pipeline_engine == "piper":
+        forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout,
+                                                  zero=args.piper_zero)
+        if args.piper_zero:  # the parameters become faces of this rank's shards before the optimizer sees them
+            forward_backward.prepare(model=chunks, num_microbatches=args.num_microbatches,
+                                     seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)
+    else:
+        forward_backward = megatron_forward_backward()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -227,13 +240,10 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     iteration, consumed = load_checkpoint(args, chunks, optimizer, scheduler) if args.load else (0, 0)
     if iteration:
         _print_first(f" loaded checkpoint from {args.load} at iteration {iteration}")
-    if args.pipeline_engine == "piper":
-        forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout)
-    else:
-        forward_backward = megatron_forward_backward()
     _print_first(f" > pipeline engine: {args.pipeline_engine}; {world} ranks = pipeline "
                  f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}"
                  f"{f' x virtual {args.virtual_pipeline_model_parallel_size}' if args.virtual_pipeline_model_parallel_size else ''}"
+                 f"{f', ZeRO-{args.piper_zero} by Piper' if args.piper_zero else ''}"
                  f"; {args.num_microbatches} microbatches of {args.micro_batch_size}")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     reporter = _reports_loss(placement)

@@ -152,21 +152,24 @@ class MegatronStageChunk(nn.Module):
         return loss
 
 
-def set_aux_loss_scales(config, num_microbatches: int, cp_size: int, device: torch.device) -> None:
+def set_aux_loss_scales(config, num_microbatches: int, cp_size: int, device: torch.device,
+                        grad_scale: float = 1.0) -> None:
     """The scale MoE (and multi-token prediction) auxiliary losses start their backward from.
     Megatron's schedules set it after every forward to the same value for the whole step; it is
-    set once, before the step."""
+    set once, before the step. ``grad_scale``: the factor the plan's own loss gradient carries
+    (under Piper's ZeRO, 1 / data-parallel size: the plan sums what Megatron's DDP averages)."""
     if getattr(config, "num_moe_experts", None) is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
-        MoEAuxLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss
-                                            else scale * cp_size / num_microbatches)
+        MoEAuxLossAutoScaler.set_loss_scale(grad_scale * (scale if config.calculate_per_token_loss
+                                                          else scale * cp_size / num_microbatches))
     if getattr(config, "mtp_num_layers", None) is not None:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
         scale = config.grad_scale_func(torch.ones(1, device=device)) if config.grad_scale_func else torch.ones(1, device=device)
-        MTPLossAutoScaler.set_loss_scale(scale if config.calculate_per_token_loss else scale / num_microbatches)
+        MTPLossAutoScaler.set_loss_scale(grad_scale * (scale if config.calculate_per_token_loss
+                                                       else scale / num_microbatches))
 
 
 class LocalChunks(nn.Module):

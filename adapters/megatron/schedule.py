@@ -18,8 +18,14 @@ Invariants:
   ``overlap_grad_reduce`` a chunk's reduction starts right after its last backward on this rank,
   otherwise ``finalize_model_grads_func`` does it (never twice).
 
-The executor (and its communicators) is built on the first call and kept for calls with the
-same chunks, microbatch count and hidden shape.
+The executor (and its communicators) is built on the first call (or by :meth:`PiperForwardBackward.prepare`)
+and kept for calls with the same chunks, microbatch count and hidden shape.
+
+With ``zero`` (1, 2 or 3) data parallelism is Piper's instead of Megatron's DDP: the plan spans
+Megatron's pipeline x data-parallel ranks with ZeRO at that level over the data-parallel group,
+the chunks are :class:`~.zero.ZeroChunk` s, and :meth:`~PiperForwardBackward.prepare` must run
+before the optimizer is built (it turns the chunks' parameters into faces of this rank's shards,
+:mod:`.zero`).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import torch.nn as nn
 from piper_plugin import DirectiveError, Executor, ExecutorConfig, UsageError, ValueSpec, compile_program, recipes
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
+from piper_plugin.adapters.megatron.zero import LEVELS
 from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
 )
@@ -50,11 +57,39 @@ class PiperForwardBackward:
     """Callable with the signature of Megatron's forward-backward functions.
 
     ``recipe``: a Piper recipe name, recipe file or JSON trace (None: ``1f1b``, or
-    ``interleaved-1f1b`` when each rank holds several model chunks)."""
+    ``interleaved-1f1b`` when each rank holds several model chunks). ``zero``: Piper's ZeRO level
+    over Megatron's data-parallel group (None: Megatron's DDP reduces, each pipeline a replica
+    of the plan)."""
 
-    def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.recipe, self.timeout_s = recipe, timeout_s
+    def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, zero: int | None = None):
+        if zero is not None and zero not in LEVELS:
+            raise ArgumentError(f"--piper-zero {zero}: the level is one of {', '.join(map(str, LEVELS))}")
+        self.recipe, self.timeout_s, self.zero = recipe, timeout_s, zero
         self._cached: tuple[tuple, _Engine] | None = None
+
+    def prepare(self, *, model, num_microbatches: int, seq_length: int, micro_batch_size: int,
+                decoder_seq_length: int | None = None, pg_collection=None) -> None:
+        """Compile the plan and build the executor now (a collective over every rank of the
+        plan) rather than at the first step: with ``zero`` the chunks' parameters become faces
+        of this rank's shards here, so call it before building the optimizer."""
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self._engine(chunks, num_microbatches, seq_length, micro_batch_size, decoder_seq_length, pg_collection)
+
+    def _engine(self, chunks, num_microbatches, seq_length, micro_batch_size, decoder_seq_length,
+                pg_collection) -> "_Engine":
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(chunks[0])
+        shape = _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection)
+        key = (tuple(id(c) for c in chunks), num_microbatches, shape, config.pipeline_dtype)
+        if self._cached is None or self._cached[0] != key:
+            if self.zero is not None and self._cached is not None:
+                raise ArgumentError("--piper-zero: the plan's shards were built for other chunks, microbatch "
+                                    "count or sequence shape; make one forward-backward function per model and "
+                                    "batch layout")
+            self._cached = (key, _Engine(chunks, num_microbatches, micro_batch_size, shape, config,
+                                         self.recipe, self.timeout_s, pg_collection, self.zero))
+        return self._cached[1]
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, decoder_seq_length: int | None = None, forward_only: bool = False,
@@ -73,12 +108,8 @@ class PiperForwardBackward:
                                 "[seq_length, micro_batch_size, hidden_size]; drop it or use Megatron's engine")
         if getattr(config, "overlap_p2p_comm", False) and len(chunks) == 1:
             raise ArgumentError("--overlap-p2p-comm without a virtual pipeline: Megatron refuses it too")
-        shape = _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection)
-        key = (tuple(id(c) for c in chunks), num_microbatches, shape, config.pipeline_dtype)
-        if self._cached is None or self._cached[0] != key:
-            self._cached = (key, _Engine(chunks, num_microbatches, micro_batch_size, shape, config,
-                                         self.recipe, self.timeout_s, pg_collection))
-        engine = self._cached[1]
+        engine = self._engine(chunks, num_microbatches, seq_length, micro_batch_size, decoder_seq_length,
+                              pg_collection)
         return engine.run(forward_step_func, iterators, forward_only=forward_only,
                           collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
                           pg_collection=pg_collection, force_all_reduce=force_all_reduce)
@@ -100,11 +131,12 @@ class _Engine:
     """One compiled plan and its executor for this rank's chunks."""
 
     def __init__(self, chunks: list[nn.Module], microbatches: int, micro_batch_size: int, shape, config,
-                 recipe: str | None, timeout_s: float, pg_collection):
+                 recipe: str | None, timeout_s: float, pg_collection, zero: int | None = None):
         from megatron.core import parallel_state
 
         pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        dp, dp_rank = _data_parallel(zero, chunks, pg_collection)
         self.chunks, self.pp, self.pp_rank = chunks, pp, pp_rank
         self.config = config
         self.cp_size = (pg_collection.cp.size() if pg_collection is not None
@@ -127,14 +159,18 @@ class _Engine:
             raise ArgumentError(f"--piper-recipe: {exc}") from None
         try:
             compiled = compile_program(program, lambda prog: loaded.schedule(
-                prog, pp=pp, dp=1, ep=1, microbatches=microbatches, chunks=len(chunks), zero=0, bucket_bytes=None))
+                prog, pp=pp, dp=dp, ep=1, microbatches=microbatches, chunks=len(chunks), zero=zero or 0,
+                bucket_bytes=None))
         except (DirectiveError, recipes.RecipeError) as exc:
             raise ArgumentError(f"--piper-recipe {loaded.name}: {exc} (the model has {num_stages} stages: "
                                 f"--pipeline-model-parallel-size {pp} x {len(chunks)} model chunks per rank)") from None
         plan = compiled.plan
-        if plan.grid.world_size != pp:
-            raise ArgumentError(f"--piper-recipe {loaded.name} runs on {plan.grid.world_size} ranks but the pipeline "
-                                f"has {pp} (--pipeline-model-parallel-size); data parallelism stays Megatron's")
+        if plan.grid.world_size != pp * dp:
+            fix = ("use a recipe that takes a data-parallel axis" if zero else
+                   "data parallelism stays Megatron's (or Piper's with --piper-zero)")
+            raise ArgumentError(f"--piper-recipe {loaded.name} runs on {plan.grid.world_size} ranks but the plan "
+                                f"needs {pp * dp} (--pipeline-model-parallel-size {pp}"
+                                f"{f' x data-parallel {dp}' if zero else ''}); {fix}")
         placement = {int(r): rank for r, rank in plan.dag.meta.placement.items()}
         wrong = sorted(s for s in self.stages if placement[s] != pp_rank)
         if wrong:
@@ -147,14 +183,21 @@ class _Engine:
         self.plan, self.recipe_name, self.simulation = plan, loaded.name, compiled.simulation
         self.microbatches = microbatches
         specs = {hidden_name(s): ValueSpec(shape, config.pipeline_dtype) for s in range(num_stages - 1)}
-        replicas = _pipelines(pp_group)
+        # Megatron's loss function already divides by the microbatch count; over Piper's data-parallel
+        # axis the plan sums what Megatron's DDP averages (unless the loss is per token: Megatron sums)
+        self.grad_scale = 1.0 if zero is None or config.calculate_per_token_loss else 1.0 / dp
+        if zero is None:
+            replicas, plan_rank = _pipelines(pp_group), pp_rank
+        else:
+            replicas, plan_rank = [_plan_processes(plan, pp_rank, dp_rank)], plan.grid.rank(pp_rank, dp_rank)
         self._context = cpu_context()
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
-        self._reduce_after = _last_backwards(plan, pp_rank)
+        self._reduce_after = _last_backwards(plan, plan_rank)
         self._no_sync: dict[int, Any] = {}
-        self.executor = Executor(plan, program, pp_rank, LocalChunks(self.stages), None, specs=specs,
+        self.executor = Executor(plan, program, plan_rank, LocalChunks(self.stages), None, specs=specs,
                                  optimizer_fn=None, after_task=self._after,
-                                 config=ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=False,
+                                 config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
+                                                       track_saved_memory=False,
                                                        replicas=tuple(tuple(r) for r in replicas)))
         self.last_stage = num_stages - 1
 
@@ -196,7 +239,7 @@ class _Engine:
             chunk.run = run
         inputs = {"batch": [Microbatch(i) for i in range(self.microbatches)]}
         device = next((p.device for p in self.chunks[0].parameters()), torch.device("cpu"))
-        set_aux_loss_scales(self.config, self.microbatches, self.cp_size, device)
+        set_aux_loss_scales(self.config, self.microbatches, self.cp_size, device, self.grad_scale)
         self.running_backward = not forward_only
         try:
             if forward_only:
@@ -265,6 +308,41 @@ def _unwrap(module: nn.Module) -> nn.Module:
 def _overlaps_reduce(chunk: nn.Module) -> bool:
     ddp_config = getattr(chunk, "ddp_config", None)
     return bool(getattr(ddp_config, "overlap_grad_reduce", False)) and hasattr(chunk, "start_grad_sync")
+
+
+def _data_parallel(zero: int | None, chunks: list[nn.Module], pg_collection) -> tuple[int, int]:
+    """(size, rank) of the plan's data-parallel axis: Megatron's data-parallel group under
+    Piper's ZeRO, else (1, 0) (Megatron's DDP reduces across the pipelines)."""
+    if zero is None:
+        return 1, 0
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+
+    if any(isinstance(c, DistributedDataParallel) for c in chunks):
+        raise ArgumentError(f"--piper-zero {zero}: the model chunks are in Megatron's DistributedDataParallel, whose "
+                            f"gradient buffers would reduce them again; wrap each chunk in "
+                            f"piper_plugin.adapters.megatron.ZeroChunk instead")
+    ep = (pg_collection.ep.size() if pg_collection is not None and hasattr(pg_collection, "ep")
+          else parallel_state.get_expert_model_parallel_world_size())
+    if ep > 1:
+        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
+                            f"Megatron runs without expert parallelism for now; drop one of them")
+    group = (pg_collection.dp if pg_collection is not None and hasattr(pg_collection, "dp")
+             else parallel_state.get_data_parallel_group())
+    dp = dist.get_world_size(group)
+    if dp < 2:
+        raise ArgumentError(f"--piper-zero {zero} with one data-parallel rank: ZeRO shards over the data-parallel "
+                            f"ranks; launch more ranks than --pipeline-model-parallel-size, or drop --piper-zero")
+    return dp, dist.get_rank(group)
+
+
+def _plan_processes(plan, pp_rank: int, dp_rank: int) -> list[int]:
+    """Process rank of every plan rank (a collective): plan rank (pipeline rank p, data shard d)
+    is the process at Megatron's pipeline rank p and data-parallel rank d."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pp_rank, dp_rank))
+    where = {coords: process for process, coords in enumerate(everyone)}
+    return [where[(plan.grid.coords(r)[0], plan.grid.data_shard(r))] for r in range(plan.grid.world_size)]
 
 
 def _pipelines(pp_group) -> list[list[int]]:

@@ -162,7 +162,6 @@ class Executor:
         self._eval_group = None  # made on first eval (a collective over the replica's ranks)
         self.faces = (HostFaces(model, self.state.buckets, self.comm.bucket_group, adopted, self.device.type)
                       if hosted else None)
-        self._stepped = False
 
     def _install_blocks(self, timeout_s: float) -> None:
         """ZeRO-3 by block: hooks on the blocks of this rank's regions that have them."""
@@ -225,12 +224,11 @@ class Executor:
                 bucket.sum_over_replicas(lambda t: dist.all_reduce(t, group=group))
 
     def _faces_out(self) -> None:
-        """Before a step under a host optimizer over faces: the host stepped the shards since the
-        last one (ZeRO-1/2 gather them whole again) and took their gradients."""
+        """Before a step under a host optimizer over faces: the host may have written the shards
+        since the last gather (a step, or a checkpoint loaded before the first one): ZeRO-1/2
+        gather them whole again. It took their gradients."""
         self.faces.new_step()
-        if self._stepped:
-            self.faces.refresh(self.comm.gather_bucket)
-        self._stepped = True
+        self.faces.refresh(self.comm.gather_bucket)
         self.faces.compute_in()
 
     def shard(self, batch: Mapping[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
@@ -289,7 +287,7 @@ class Executor:
                              f"are expert-sharded: evaluate with a plan without shard()")
         if self._eval_group is None:
             self._eval_group = self._eval_groups()
-        if self.faces is not None and self._stepped:  # the host may have stepped the shards since they were gathered
+        if self.faces is not None:  # the host may have written the shards since they were gathered
             self.faces.refresh(self.comm.gather_bucket)
         gathered = [(key, b) for key, b in self.state.buckets.items() if b.zero == 3]
         for key, bucket in gathered:  # ZeRO-3: the whole parameters for the evaluation, in bucket order

@@ -5,8 +5,9 @@ in its module as a *face*: an ``nn.Parameter`` holding a DTensor, ``Shard(0)`` o
 region's data-parallel group, whose local tensor is this rank's rows of the parameter (the
 very storage the ZeRO bucket steps: a host update lands in Piper's shard) and whose ``.grad``
 is the reduced gradient of those rows after a step (``None`` where no rank had one). The host
-therefore sees each parameter as itself (FQN, global shape, ``requires_grad``, FSDP2's DCP
-layout): its optimizer groups, gradient clipping over DTensors and checkpointer work unchanged.
+therefore sees each parameter as itself (FQN, global shape, ``requires_grad``, its own
+non-tensor attributes, FSDP2's DCP layout; faces over the same ranks share one device mesh):
+its optimizer groups, gradient clipping over DTensors and checkpointer work unchanged.
 During a step the whole compute parameters are registered instead.
 
 A host may hand over faces it made itself (sharded before its weights were initialised, as
@@ -62,6 +63,15 @@ def unwrap_faces(model: nn.Module, keep: set[int] = frozenset()) -> dict[int, nn
     return faces
 
 
+def _carry_tags(p: nn.Parameter, face: nn.Parameter) -> None:
+    """The host's own tags on a parameter (plain Python attributes, e.g. Megatron's ``shared``,
+    ``allreduce``, ``tensor_model_parallel``) go with its face; tensors hung on it (gradient
+    buffers) do not."""
+    for name, value in vars(p).items():
+        if not name.startswith("_") and not isinstance(value, torch.Tensor):
+            setattr(face, name, value)
+
+
 class HostFaces:
     """The faces of one rank's ZeRO buckets (see the module docstring)."""
 
@@ -70,16 +80,19 @@ class HostFaces:
         slots = _slots(model)
         self.buckets = {key: b for key, b in buckets.items() if b.shards}
         self.entries: list[tuple[list[Slot], nn.Parameter, nn.Parameter, Any, int]] = []
-        meshes: dict[Any, DeviceMesh] = {}
+        meshes: dict[tuple[int, ...], DeviceMesh] = {}  # one mesh per member set: faces share its group
         for key, bucket in self.buckets.items():
             for i, (p, shard) in enumerate(zip(bucket.params, bucket.shards)):
                 face = adopted.get(id(p))
                 if face is None:
-                    if key not in meshes:
-                        meshes[key] = DeviceMesh.from_group(group_of(key), device_type)
-                    face = nn.Parameter(DTensor.from_local(shard.detach(), meshes[key], [Shard(0)], run_check=False,
-                                                           shape=p.shape, stride=p.stride()),
+                    group = group_of(key)
+                    members = tuple(dist.get_process_group_ranks(group))
+                    if members not in meshes:
+                        meshes[members] = DeviceMesh.from_group(group, device_type)
+                    face = nn.Parameter(DTensor.from_local(shard.detach(), meshes[members], [Shard(0)],
+                                                           run_check=False, shape=p.shape, stride=p.stride()),
                                         requires_grad=p.requires_grad)
+                    _carry_tags(p, face)
                 else:
                     mesh, dim = face.device_mesh, face.device_mesh.ndim - 1  # sharded over the last dimension
                     if mesh.size(dim) != bucket.n or mesh.get_local_rank(dim) != bucket.index:
