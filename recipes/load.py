@@ -118,6 +118,18 @@ def _trace(path: Path) -> Recipe:
     return Recipe(path.name, False, fixed, apply, lambda pp, chunks: stages)
 
 
+def _check_signature(where: str, recipe: Callable[..., Any]) -> None:
+    """``recipe`` takes the schedule and the keywords every recipe is called with."""
+    try:
+        inspect.signature(recipe).bind(None, microbatches=1, chunks=1, zero=0)
+    except TypeError as exc:
+        raise RecipeError(f"{where}: recipe{inspect.signature(recipe)} cannot be called as recipe(sch, "
+                          f"microbatches=..., chunks=..., zero=...) ({exc}); define recipe(sch, *, microbatches, "
+                          f"chunks=1, zero=0, **kw)") from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
+
+
 def _python(path: Path) -> Recipe:
     where = f"recipe file {str(path)!r}"
 
@@ -133,6 +145,7 @@ def _python(path: Path) -> Recipe:
     recipe = namespace.get("recipe")
     if not callable(recipe):
         raise RecipeError(f"{where} defines no function recipe(sch, *, microbatches, chunks, zero)")
+    _check_signature(where, recipe)
     stages_fn = namespace.get("stages")
 
     def stages(pp: int, chunks: int) -> int:

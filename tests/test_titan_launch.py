@@ -183,27 +183,6 @@ def test_unknown_config_fails_before_ray_listing_what_works():
     assert "stock_config_fn" not in error and "to_piper_config" not in error
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--nproc", "0", "--", *ARGS], "argument --nproc: '0' is not a number of ranks; pass --nproc N with N >= 1"),
-    (["--", *ARGS], "--nproc is missing: pass the number of ranks"),
-    (["--nproc", "2"], "no TorchTitan arguments: put them after --"),
-    (["--nproc", "2", "--"], "no TorchTitan arguments: put them after --"),
-    (["--nproc", "2", *ARGS], "TorchTitan's arguments go after --"),
-    (["--nproc", "2", "--", "--training.steps", "3"], "--config is missing after --"),
-    (["--nproc", "2", "--", "--config", "llama3_debugmodel_pp2_1f1b", "--parallelism.pipeline_engine", "pipr"],
-     "--parallelism.pipeline_engine 'pipr' is not an engine: use one of torch, piper"),
-    (["--nproc", "2", "--", "--config", "llama3_debugmodl_pp2_1f1b"],
-     "the drop-in needs a stock config named 'llama3_debugmodl', and there is none (did you mean llama3_debugmodel"),
-    (["--nproc", "2", "--address", "127.0.0.1:1", "--", *ARGS], "Ray address 127.0.0.1:1: cannot reach a Ray cluster"),
-])
-def test_bad_command_lines_end_in_one_line(argv, expected, capsys):
-    code = main(["launch", *argv])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("piper: error: ") and expected in lines[0], err
-
-
 MEGATRON_ARGS = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
                  "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
                  "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
@@ -222,19 +201,3 @@ def test_launch_runs_the_megatron_entry_on_ray_actors(ray_cluster, tmp_path, mon
     assert [line.split("iteration")[1].split("/")[0].strip() for line in logged] == ["1", "2", "3"], out[-3000:]
     assert "> pipeline engine: piper" in out
     assert _wait_no_rank_actors() == []
-
-
-@pytest.mark.parametrize("argv, expected", [
-    (["--nproc", "2", "--host", "megatron"], "no pretrain_gpt arguments: put them after --"),
-    (["--nproc", "3", "--host", "megatron", "--", *MEGATRON_ARGS],
-     "--pipeline-model-parallel-size 2 does not divide the 3 ranks"),
-    (["--nproc", "2", "--host", "megatron", "--", *MEGATRON_ARGS, "--num-layers", "3"],
-     "--num-layers 3 does not split evenly over 2 stages"),
-    (["--nproc", "2", "--host", "deepspeed", "--", *MEGATRON_ARGS], "argument --host: invalid choice: 'deepspeed'"),
-])
-def test_bad_megatron_launch_lines_end_in_one_line_before_ray(argv, expected, capsys):
-    code = main(["launch", *argv])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("piper: error: ") and expected in lines[0], err

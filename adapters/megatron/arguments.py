@@ -7,6 +7,7 @@ with one ``piper: error:`` line naming it and the fix (:class:`~.schedule.Argume
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Sequence
 
 from piper_plugin.adapters.megatron.schedule import ArgumentError
@@ -147,6 +148,7 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.piper_recipe and args.pipeline_engine != "piper":
         raise ArgumentError("--piper-recipe chooses Piper's schedule; add --pipeline-engine=piper")
     _check_zero(args, dp, ep)
+    _check_files(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval without --save: name the folder checkpoints go to")
     if args.save_interval is not None and args.save_interval < 1:
@@ -157,6 +159,19 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """The dataset and tokenizer a run reads exist (before any rank starts)."""
+    prefix = args.data_path
+    if prefix is not None:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise ArgumentError(f"--data-path {prefix}: no {' / '.join(prefix + ext for ext in missing)}; give the "
+                                f"prefix of a Megatron indexed dataset (as preprocess_data.py writes it)")
+    if args.tokenizer_file is not None and not os.path.isfile(args.tokenizer_file):
+        raise ArgumentError(f"--tokenizer-file {args.tokenizer_file}: no such file; give a tokenizers JSON file, "
+                            f"or drop it for the one Piper ships")
 
 
 def _check_zero(args: argparse.Namespace, dp: int, ep: int) -> None:

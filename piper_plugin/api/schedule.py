@@ -14,6 +14,7 @@ the same program to the same DAG (``Schedule.from_json``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Mapping, Sequence
@@ -36,6 +37,13 @@ Group = str | Sequence[str] | Mapping[str, Sequence[str]]  # filter | union | {"
 
 # The exact filter recipes use, ``stage=S,kind=K,mb=M``: answered from an index without parsing.
 _EXACT = re.compile(r"stage=(\d+),kind=([A-Za-z_]+),mb=(\d+)\Z")
+
+
+def model_fingerprint(program: Program) -> str:
+    """A short name for the model a trace was recorded on: its regions and their parameters'
+    names (not sizes: a trace fits any batch)."""
+    regions = sorted((name, sorted(region.params)) for name, region in program.dag.regions.items())
+    return hashlib.sha1(json.dumps(regions).encode()).hexdigest()[:12]
 
 
 class Schedule:
@@ -307,7 +315,7 @@ class Schedule:
 
     # -- trace ----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"grid": self.grid.to_json(), "directives": self.trace}
+        return {"grid": self.grid.to_json(), "model": model_fingerprint(self.program), "directives": self.trace}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json())
@@ -316,6 +324,11 @@ class Schedule:
     def from_json(cls, program: Program, data: Mapping[str, Any] | str) -> "Schedule":
         if isinstance(data, str):
             data = json.loads(data)
+        recorded, here = data.get("model"), model_fingerprint(program)
+        if recorded is not None and recorded != here:  # traces written before fingerprints replay as they are
+            raise DirectiveError("trace", f"model {recorded}", f"recorded on another model than this one ({here}: "
+                                 f"other regions or parameters)", "record the trace on this model with "
+                                 "Schedule.dumps(), or use a recipe (.py) that selects by tags")
         sch = cls(program, **data["grid"])
         for step in data["directives"]:
             args = dict(step)
