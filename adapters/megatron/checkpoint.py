@@ -111,31 +111,33 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
         else:
             _module(chunk).load_state_dict(state[key], strict=True)
     if zero:
-        dp_rank = parallel_state.get_data_parallel_rank()
-        path = folder / f"zero_optim_dp{dp_rank:03d}.pt"
-        if not path.exists():
-            raise ArgumentError(f"--load {args.load}: no optimizer rows for data-parallel rank {dp_rank} (saved with "
-                                f"another data-parallel size or without --piper-zero); load with the layout it was "
-                                f"saved with")
-        for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
-            load_local_optimizer_state(inner, saved)
+        _load_rows(args, folder, "zero_optim", "--piper-zero", optimizer, load_local_optimizer_state)
     elif state.get("optimizer") is None and not args.use_distributed_optimizer:
         raise ArgumentError(f"--load {args.load}: the checkpoint's optimizer state is sharded (saved with "
                             f"--piper-zero or --use-distributed-optimizer); load it with the same flag")
     elif args.use_distributed_optimizer:
-        dp_rank = parallel_state.get_data_parallel_rank()
-        path = folder / f"distrib_optim_dp{dp_rank:03d}.pt"
-        if not path.exists():
-            raise ArgumentError(f"--load {args.load}: no optimizer shard for data-parallel rank {dp_rank} (saved with "
-                                f"another data-parallel size or without --use-distributed-optimizer); load with the "
-                                f"layout it was saved with")
-        for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
-            inner.load_state_dict(saved)
+        _load_rows(args, folder, "distrib_optim", "--use-distributed-optimizer", optimizer,
+                   lambda inner, saved: inner.load_state_dict(saved))
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _set_rng_state(torch.load(folder / f"rng_dp{parallel_state.get_data_parallel_rank():03d}.pt", weights_only=False))
     return iteration, state["consumed_samples"]
+
+
+def _load_rows(args: argparse.Namespace, folder: Path, stem: str, flag: str, optimizer, load) -> None:
+    """This data-parallel rank's own optimizer file (``<stem>_dp<r>.pt``), one state per inner optimizer."""
+    from megatron.core import parallel_state
+
+    from piper_plugin.adapters.megatron.schedule import ArgumentError
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    path = folder / f"{stem}_dp{dp_rank:03d}.pt"
+    if not path.exists():
+        raise ArgumentError(f"--load {args.load}: no optimizer state for data-parallel rank {dp_rank} (saved with "
+                            f"another data-parallel size or without {flag}); load with the layout it was saved with")
+    for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
+        load(inner, saved)
 
 
 def _module(chunk):
