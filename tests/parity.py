@@ -21,17 +21,22 @@ def adamw(params):
 
 
 def check_parity(model, loss_fn, batch: tuple, schedule: Callable[[Schedule], None], *, pp: int,
-                 dp: int = 1, ep: int = 1, steps: int = 3) -> dict:
-    """Train ``steps`` AdamW steps both ways; assert loss, grads and params agree."""
+                 dp: int = 1, ep: int = 1, steps: int = 3, on_plan: Callable | None = None,
+                 meter: bool = True) -> dict:
+    """Train ``steps`` AdamW steps both ways; assert loss, grads and params agree. ``on_plan``
+    sees the compiled plan before it runs; ``meter=False`` leaves activation memory uncounted."""
     *inputs, target = batch
     program = capture(model, loss_fn, tuple(inputs), target)
     sch = Schedule(program, pp=pp, dp=dp, ep=ep)
     schedule(sch)
     plan = build_plan(sch.dag, sch.grid)
     simulate(plan)  # the plan must be proven deadlock-free before it runs
+    if on_plan is not None:
+        on_plan(plan)
     executor = ReferenceExecutor(plan, program, model, loss_fn, adamw)
     for state in executor.states:
         state.snapshot_grads = True
+        state.meter.track_saved = state.meter.track_working = meter
     reference = copy.deepcopy(model)
     optimizer = adamw(list(reference.parameters()))
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}

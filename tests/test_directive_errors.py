@@ -95,6 +95,19 @@ def test_replicate_bad_bucket(lm):
     expect_error(lambda: _placed(lm, dp=2).replicate("*", bucket_bytes=0), "bucket_bytes=0 must be a positive int")
 
 
+def test_zero3_of_a_weight_two_regions_of_one_rank_read():
+    """Tied embeddings with both stages on one pipeline rank: ZeRO-3 would free the weight
+    between its two readers (found by test_fuzz_strategies); ZeRO-2 keeps it whole."""
+    with torch.device("meta"):
+        model, cfg = build_toy_lm(stages=2, layers=2, tie_embeddings=True)
+    x, y = lm_batch(cfg, 8)
+    program = capture(model, lm_loss, (x,), y)
+    sch = Schedule(program, pp=1, dp=2).place("*", rank=0)
+    expect_error(lambda: sch.replicate("*", zero=3), "replicate('*')", "also reads on the same pipeline rank",
+                 "use zero=2 or lower")
+    Schedule(program, pp=1, dp=2).place("*", rank=0).replicate("*", zero=2)
+
+
 def test_replicate_twice(lm):
     sch = _placed(lm, dp=2).replicate("PP=0")
     expect_error(lambda: sch.replicate("*"), "region 0 is already replicated")

@@ -167,6 +167,12 @@ class Schedule:
             if zero and any(p in self.dag.meta.ties.values() for p in self.dag.meta.update_params[name]):
                 raise DirectiveError("replicate", repr(regions), f"region {name} holds a weight tied across "
                                      f"pipeline ranks, supported with zero=0 only", "use zero=0 for this region")
+            shared = [(p, r) for p in self.dag.meta.update_params[name] for r in self.program.tied.get(p, ())
+                      if r != name]
+            if zero == 3 and shared:
+                raise DirectiveError("replicate", repr(regions), f"region {name} holds weight {shared[0][0]} that "
+                                     f"region {shared[0][1]} also reads on the same pipeline rank; ZeRO-3 frees it "
+                                     f"between the two", "use zero=2 or lower for this region")
         for name in hits:
             replicate(self.dag, self.grid, name, zero, bucket_bytes, blocks)
         self._record("replicate", regions=regions, zero=zero, bucket_bytes=bucket_bytes, blocks=blocks)
