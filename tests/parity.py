@@ -22,9 +22,10 @@ def adamw(params):
 
 def check_parity(model, loss_fn, batch: tuple, schedule: Callable[[Schedule], None], *, pp: int,
                  dp: int = 1, ep: int = 1, steps: int = 3, on_plan: Callable | None = None,
-                 meter: bool = True) -> dict:
+                 meter: bool = True, optimizer: Callable | None = None) -> dict:
     """Train ``steps`` AdamW steps both ways; assert loss, grads and params agree. ``on_plan``
-    sees the compiled plan before it runs; ``meter=False`` leaves activation memory uncounted."""
+    sees the compiled plan before it runs; ``meter=False`` leaves activation memory uncounted;
+    ``optimizer`` (default AdamW) makes both sides' optimizers from a parameter list."""
     *inputs, target = batch
     program = capture(model, loss_fn, tuple(inputs), target)
     sch = Schedule(program, pp=pp, dp=dp, ep=ep)
@@ -33,12 +34,13 @@ def check_parity(model, loss_fn, batch: tuple, schedule: Callable[[Schedule], No
     simulate(plan)  # the plan must be proven deadlock-free before it runs
     if on_plan is not None:
         on_plan(plan)
-    executor = ReferenceExecutor(plan, program, model, loss_fn, adamw)
+    optimizer_fn = optimizer or adamw
+    executor = ReferenceExecutor(plan, program, model, loss_fn, optimizer_fn)
     for state in executor.states:
         state.snapshot_grads = True
         state.meter.track_saved = state.meter.track_working = meter
     reference = copy.deepcopy(model)
-    optimizer = adamw(list(reference.parameters()))
+    optimizer = optimizer_fn(list(reference.parameters()))
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
         loss = executor.step(*batch)
