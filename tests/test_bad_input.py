@@ -169,7 +169,18 @@ def test_the_catalogue_is_large_and_distinct():
     assert len({(c, tuple(a)) for c, a, _ in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("command, argv, message", CASES, ids=[f"{c}:{' '.join(a)[-40:]}" for c, a, _ in CASES])
+def _tiered(cases):
+    """The first two lines of each command stay in the fast tier; the rest are ``slow``."""
+    seen: dict[str, int] = {}
+    out = []
+    for command, argv, message in cases:
+        seen[command] = seen.get(command, 0) + 1
+        marks = () if seen[command] <= 2 else (pytest.mark.slow,)
+        out.append(pytest.param(command, argv, message, marks=marks, id=f"{command}:{' '.join(argv)[-40:]}"))
+    return out
+
+
+@pytest.mark.parametrize("command, argv, message", _tiered(CASES))
 def test_bad_input_ends_in_one_line_before_anything_starts(command, argv, message, tmp_path, capsys, monkeypatch):
     files = _files(tmp_path) if any(a in FILES or a.endswith(".json") for a in argv) else {}
     capsys.readouterr()

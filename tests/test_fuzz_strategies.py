@@ -39,7 +39,7 @@ from parity import check_parity
 
 LONG = os.environ.get("PIPER_FUZZ_EXAMPLES")  # a long run: random draws; the suite: a fixed sample
 FULL = int(LONG or 50)
-FAST = 4
+FAST = 2
 RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
 STREAM_OVERLAYS = [None, "kind=SEND", "kind=ALL_GATHER", "kind=REDUCE_SCATTER", "kind=ALL_TO_ALL"]
 

@@ -125,6 +125,7 @@ def test_piper_zero_trains_as_megatrons_ddp_and_resumes_at_another_level(tmp_pat
                 assert torch.allclose(got[name], value, rtol=1e-4, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_the_entry_says_one_line_and_exits_2_without_a_traceback():
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "piper_plugin.adapters.megatron.pretrain_gpt", *BASE,
