@@ -11,6 +11,7 @@ import os
 from typing import Sequence
 
 from piper_plugin.adapters.megatron.schedule import ArgumentError
+from piper_plugin.adapters.megatron.zero import LEVELS
 
 __all__ = ["parse_args", "validate", "ENGINES"]
 
@@ -178,8 +179,8 @@ def _check_zero(args: argparse.Namespace, dp: int, ep: int) -> None:
     zero = args.piper_zero
     if zero is None:
         return
-    if zero not in (1, 2, 3):
-        raise ArgumentError(f"--piper-zero {zero}: the level is 1, 2 or 3")
+    if zero not in LEVELS:
+        raise ArgumentError(f"--piper-zero {zero}: the level is {', '.join(map(str, LEVELS[:-1]))} or {LEVELS[-1]}")
     if args.pipeline_engine != "piper":
         raise ArgumentError(f"--piper-zero {zero} is Piper's ZeRO inside Piper's plan; add --pipeline-engine=piper "
                             f"(Megatron's engine shards with --use-distributed-optimizer)")

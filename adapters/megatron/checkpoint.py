@@ -25,13 +25,14 @@ import random
 from pathlib import Path
 from typing import Any
 
-from piper_plugin.adapters.megatron.zero import (
-    full_model_state, load_full_model_state, load_local_optimizer_state, local_optimizer_state,
-)
-
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from piper_plugin.adapters.megatron.schedule import ArgumentError
+from piper_plugin.adapters.megatron.zero import (
+    full_model_state, load_full_model_state, load_local_optimizer_state, local_optimizer_state,
+)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "TRACKER"]
 
@@ -62,10 +63,11 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
         torch.save([local_optimizer_state(inner) for inner in _inner_optimizers(optimizer)],
                    folder / f"zero_optim_dp{dp_rank:03d}.pt")
     torch.save(_rng_state(), folder / f"rng_dp{dp_rank:03d}.pt")  # each rank's own generators (dropout)
-    models = {key: full_model_state(_module(chunk)) if zero else _module(chunk).state_dict_for_save_checkpoint()
-              for key, chunk in zip(_model_keys(chunks), chunks)}  # under ZeRO: a collective, every rank
+    if zero:  # gathering the faces whole is a collective: every data-parallel rank takes part
+        models = {key: full_model_state(_module(chunk)) for key, chunk in zip(_model_keys(chunks), chunks)}
     if dp_rank == 0:
-        state: dict[str, Any] = dict(models)
+        state: dict[str, Any] = models if zero else {key: _module(chunk).state_dict_for_save_checkpoint()
+                                                     for key, chunk in zip(_model_keys(chunks), chunks)}
         state.update(optimizer=None if args.use_distributed_optimizer or zero else optimizer.state_dict(),
                      opt_param_scheduler=scheduler.state_dict(),
                      iteration=iteration, consumed_samples=consumed_samples, args=vars(args),
@@ -85,8 +87,6 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
     """(iteration, consumed samples) of the latest checkpoint under ``args.load``; (0, 0) when
     the folder has none yet (a fresh run that will save there)."""
     from megatron.core import parallel_state
-
-    from piper_plugin.adapters.megatron.schedule import ArgumentError
 
     tracker = Path(args.load) / TRACKER
     if not tracker.exists():
@@ -128,8 +128,6 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
 def _load_rows(args: argparse.Namespace, folder: Path, stem: str, flag: str, optimizer, load) -> None:
     """This data-parallel rank's own optimizer file (``<stem>_dp<r>.pt``), one state per inner optimizer."""
     from megatron.core import parallel_state
-
-    from piper_plugin.adapters.megatron.schedule import ArgumentError
 
     dp_rank = parallel_state.get_data_parallel_rank()
     path = folder / f"{stem}_dp{dp_rank:03d}.pt"

@@ -200,6 +200,7 @@ class _Engine:
                                                        track_saved_memory=False,
                                                        replicas=tuple(tuple(r) for r in replicas)))
         self.last_stage = num_stages - 1
+        self.device = next((p.device for p in chunks[0].parameters()), torch.device("cpu"))  # the aux-loss scale's
 
     # -- gradient synchronisation, as Megatron's schedules defer and finish it ----------------
     def _disable_sync(self) -> None:
@@ -238,8 +239,7 @@ class _Engine:
         for chunk in self.executor.state.chunks.values():
             chunk.run = run
         inputs = {"batch": [Microbatch(i) for i in range(self.microbatches)]}
-        device = next((p.device for p in self.chunks[0].parameters()), torch.device("cpu"))
-        set_aux_loss_scales(self.config, self.microbatches, self.cp_size, device, self.grad_scale)
+        set_aux_loss_scales(self.config, self.microbatches, self.cp_size, self.device, self.grad_scale)
         self.running_backward = not forward_only
         try:
             if forward_only:

@@ -68,9 +68,6 @@ class ZeroChunk(nn.Module):
             if p.grad is not None:
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(scaling)
 
-    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
-        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
-
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
     """``module``'s checkpoint state with every face gathered whole (a collective over each
@@ -98,12 +95,12 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any]) -> None:
 
 
 def _rows(whole: torch.Tensor, face: DTensor) -> torch.Tensor:
-    """This member's rows of ``whole`` under ``face``'s ``Shard(0)`` over the last mesh dimension."""
+    """This member's rows of ``whole`` under ``face``'s ``Shard(0)`` over the last mesh dimension
+    (``torch.chunk``'s split, as FSDP2 and Piper's buckets cut rows; trailing members may get none)."""
     mesh = face.device_mesh
     n, me = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    flat = whole.reshape(1) if whole.dim() == 0 else whole
-    chunk = -(-flat.shape[0] // n)
-    return flat[min(me * chunk, flat.shape[0]):min((me + 1) * chunk, flat.shape[0])]
+    pieces = (whole.reshape(1) if whole.dim() == 0 else whole).chunk(n)
+    return pieces[me] if me < len(pieces) else whole.new_empty((0, *whole.shape[1:]))
 
 
 def local_optimizer_state(inner: torch.optim.Optimizer) -> dict[str, Any]:

@@ -168,8 +168,8 @@ class Schedule:
                 raise DirectiveError("replicate", repr(regions), f"region {name} holds a weight tied across "
                                      f"pipeline ranks, supported with zero=0 only", "use zero=0 for this region")
             shared = [(p, r) for p in self.dag.meta.update_params[name] for r in self.program.tied.get(p, ())
-                      if r != name]
-            if zero == 3 and shared:
+                      if r != name] if zero == 3 else []
+            if shared:
                 raise DirectiveError("replicate", repr(regions), f"region {name} holds weight {shared[0][0]} that "
                                      f"region {shared[0][1]} also reads on the same pipeline rank; ZeRO-3 frees it "
                                      f"between the two", "use zero=2 or lower for this region")

@@ -82,14 +82,17 @@ class HostFaces:
         self.entries: list[tuple[list[Slot], nn.Parameter, nn.Parameter, Any, int]] = []
         meshes: dict[tuple[int, ...], DeviceMesh] = {}  # one mesh per member set: faces share its group
         for key, bucket in self.buckets.items():
+            mesh = None  # the bucket's, made when its first face is
             for i, (p, shard) in enumerate(zip(bucket.params, bucket.shards)):
                 face = adopted.get(id(p))
                 if face is None:
-                    group = group_of(key)
-                    members = tuple(dist.get_process_group_ranks(group))
-                    if members not in meshes:
-                        meshes[members] = DeviceMesh.from_group(group, device_type)
-                    face = nn.Parameter(DTensor.from_local(shard.detach(), meshes[members], [Shard(0)],
+                    if mesh is None:
+                        group = group_of(key)
+                        members = tuple(dist.get_process_group_ranks(group))
+                        if members not in meshes:
+                            meshes[members] = DeviceMesh.from_group(group, device_type)
+                        mesh = meshes[members]
+                    face = nn.Parameter(DTensor.from_local(shard.detach(), mesh, [Shard(0)],
                                                            run_check=False, shape=p.shape, stride=p.stride()),
                                         requires_grad=p.requires_grad)
                     _carry_tags(p, face)
