@@ -120,3 +120,73 @@ def test_split_backward_releases_every_saved_activation(recipe):
     for _ in range(2):
         ex.step(*next(data))
         assert [state.meter.current for state in ex.states] == [0, 0]
+
+
+class _LinearFunction(torch.autograd.Function):
+    """A linear layer as one Function of input and weight (as Megatron writes its layers): its
+    backward returns both gradients in one call whatever is asked of it."""
+
+    forwards = backwards = 0
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        _LinearFunction.forwards += 1
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        _LinearFunction.backwards += 1
+        rows = g.flatten(0, -2)
+        return g @ weight, rows.T @ x.flatten(0, -2), rows.sum(0) if ctx.has_bias else None
+
+
+class _FunctionLinear(nn.Linear):
+    def forward(self, x):
+        return _LinearFunction.apply(x, self.weight, self.bias)
+
+
+def test_a_split_that_would_repeat_a_custom_function_is_seen():
+    torch.manual_seed(0)
+    plain, fused = nn.Linear(4, 4), nn.Linear(4, 4)
+    fused.__class__ = _FunctionLinear
+    x = torch.randn(2, 4, requires_grad=True)
+    from piper_plugin.autograd.split_backward import weight_pass_repeats_work
+
+    assert not weight_pass_repeats_work([plain(x).relu()], [x])
+    assert weight_pass_repeats_work([plain(fused(x).relu())], [x])
+    assert not weight_pass_repeats_work([fused(torch.randn(2, 4))], [x]), "no input below: nothing splits"
+
+
+def test_last_backward_runs_a_custom_function_once_and_trains_the_same():
+    """1F1B on 2 ranks splits the last stage's last backward to send its input gradients first;
+    with every linear layer a custom Function that split would run each layer's backward twice,
+    so that B runs as one pass: each Function's backward once per forward, and the same
+    parameters after two steps as with plain linear layers (where the split happens)."""
+    from benchmarks._common import lm_config, lm_job
+    from piper_plugin.compiler import compile_job
+    from reference_executor import ReferenceExecutor
+
+    job = lm_job(lm_config(dim=16, layers=2, heads=2, ffn=32, seq=8, vocab=64), recipe="1f1b", pp=2,
+                 microbatches=4, batch=8)
+    program, _, plan, _ = compile_job(job)
+    assert plan.ranks[1].split_first, "the plan no longer splits a last backward: the test shows nothing"
+    model = job.build_model()
+    swapped = [m for m in model.modules() if type(m) is nn.Linear]
+    assert swapped
+    results = []
+    for function_layers in (False, True):
+        for m in swapped:
+            m.__class__ = _FunctionLinear if function_layers else nn.Linear
+        ex = ReferenceExecutor(plan, program, model, job.loss_fn, job.optimizer_fn)
+        _LinearFunction.forwards = _LinearFunction.backwards = 0
+        data = iter(job.data_fn(0))
+        for _ in range(2):
+            ex.step(*next(data))
+        if function_layers:
+            assert _LinearFunction.backwards == _LinearFunction.forwards > 0
+        results.append([p.detach().clone() for s in ex.states for c in s.chunks.values() for p in c.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -20,9 +20,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["backward_input", "PendingWeightGrads"]
+__all__ = ["backward_input", "PendingWeightGrads", "weight_pass_repeats_work"]
 
 
 class _Group:
@@ -82,14 +83,21 @@ def _pin(recorded: tuple):
     return lambda grad_outputs: recorded
 
 
-def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], PendingWeightGrads]:
-    """Gradients of ``inputs`` (leaves requiring grad) now; the weights' work for later."""
-    outs, grads = list(outs), list(grads)
-    input_ids = {id(t) for t in inputs}
+def weight_pass_repeats_work(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether splitting this backward would run some of it twice: a custom autograd Function
+    sits on the frontier (e.g. a linear layer written as one Function of input and weight). Its
+    backward computes every gradient it returns in one call whatever BI asks for, and BW calls it
+    again, so BI + BW costs about two full passes through it (built-in nodes compute only the
+    gradients their edges need)."""
     roots = [get_gradient_edge(t) for t in outs]
-    reaches_input, weights_below, weights = _classify([e.node for e in roots], input_ids)
+    frontier, _, _ = _frontier(roots, {id(t) for t in inputs})
+    return any(isinstance(node, BackwardCFunction) for node in frontier)
 
+
+def _frontier(roots: list[GradientEdge], input_ids: set[int]) -> tuple[dict, dict, dict]:
+    """Frontier node -> ids of the weights below its weight-side edges; plus :func:`_classify`'s
+    reaches-input and weights-below maps and id -> weight."""
+    reaches_input, weights_below, weights = _classify([e.node for e in roots], input_ids)
     frontier: dict = {}
     for node, reaches in reaches_input.items():
         if not reaches:
@@ -100,6 +108,15 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 below |= weights_below[child]
         if below:
             frontier[node] = below
+    return frontier, (reaches_input, weights_below), weights
+
+
+def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], PendingWeightGrads]:
+    """Gradients of ``inputs`` (leaves requiring grad) now; the weights' work for later."""
+    outs, grads = list(outs), list(grads)
+    roots = [get_gradient_edge(t) for t in outs]
+    frontier, (reaches_input, weights_below), weights = _frontier(roots, {id(t) for t in inputs})
     groups = _group(frontier, weights)
 
     root_edges, root_grads, root_weights = [], [], set()

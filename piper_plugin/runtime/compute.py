@@ -13,7 +13,7 @@ import torch
 
 from piper_plugin.ir.nodes import Kind, Node
 from piper_plugin.runtime.rank_state import RankState
-from piper_plugin.autograd.split_backward import backward_input
+from piper_plugin.autograd.split_backward import backward_input, weight_pass_repeats_work
 from piper_plugin.runtime.streams import Continue
 
 __all__ = ["run_compute"]
@@ -143,11 +143,20 @@ def _hand_off_grads(state: RankState, node: Node) -> None:
         state.deliver_to(succ, "grads", state.buckets[(node.region, bucket)].flat_grad(take=True))
 
 
+def _split_pays(state: RankState, node: Node) -> bool:
+    """Whether B's graph splits without repeating work (:func:`weight_pass_repeats_work`)."""
+    leaves, outputs = state.saved[(node.region, node.microbatch)]
+    outs = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    return not weight_pass_repeats_work(outs, [leaf for leaf in leaves.values() if leaf.requires_grad])
+
+
 def run_compute(state: RankState, node: Node) -> Continue | None:
     """Run ``node``. A B in ``state.input_grads_first`` runs its input-gradient pass, delivers
     those gradients and returns the weight-gradient pass as a :class:`Continue`: the runner
-    posts the sends upstream before the rest runs (same gradients as one full backward)."""
-    if node.key in state.input_grads_first:
+    posts the sends upstream before the rest runs (same gradients as one full backward). Where
+    that split would repeat work (custom autograd Functions on the weight side, e.g.
+    Megatron's linear layers) it runs as one pass, as any other B."""
+    if node.key in state.input_grads_first and _split_pays(state, node):
         _backward_input(state, node)
 
         def rest() -> None:
