@@ -56,8 +56,8 @@ class Progress:
     """Callback for :func:`piper_plugin.training.run`: ``progress(metrics)`` per rank and step."""
 
     def __init__(self, world: int, steps: int, *, metrics_file: IO[str] | None = None,
-                 echo: Callable[[str], None] | None = None):
-        self.world, self.steps, self.metrics_file = world, steps, metrics_file
+                 echo: Callable[[str], None] | None = None, first_step: int = 0):
+        self.world, self.steps, self.metrics_file, self.first_step = world, steps, metrics_file, first_step
         self.echo = echo if echo is not None else (lambda line: print(line, flush=True))
         self.done: list[StepStats] = []
         self.pending: dict[int, dict[int, Mapping[str, Any]]] = {}
@@ -70,15 +70,18 @@ class Progress:
             self.metrics_file.flush()
         self.pending.setdefault(metrics["step"], {})[metrics["rank"]] = metrics
         while len(self.pending.get(self._next, {})) == self.world:  # steps finish in order
-            stats = StepStats.of(list(self.pending.pop(self._next).values()))
+            ranks = list(self.pending.pop(self._next).values())
+            stats = StepStats.of(ranks)
             if self.first_step_at is None:
                 self.first_step_at = time.monotonic()
             self.done.append(stats)
             self.echo(self.line(stats))
+            for saved in sorted({m["checkpoint"] for m in ranks if "checkpoint" in m}):
+                self.echo(f"saved    {saved}")
 
     @property
     def _next(self) -> int:
-        return self.done[-1].step + 1 if self.done else 0
+        return self.done[-1].step + 1 if self.done else self.first_step
 
     def line(self, s: StepStats) -> str:
         width = len(str(self.steps))

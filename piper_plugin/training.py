@@ -39,11 +39,14 @@ def _adamw(lr: float, params: list[nn.Parameter]) -> torch.optim.Optimizer:
 def toy_job(schedule_fn: Callable, *, model: str = "toy-lm", stages: int, layers: int | None = None,
             batch: int, seq: int = 32, steps: int = 10, lr: float = 3e-3, seed: int = 0,
             timeout_s: float = 60.0, optimizer_fn: Callable | None = None,
-            lr_scheduler_fn: Callable | None = None, device: str = "cpu") -> Job:
+            lr_scheduler_fn: Callable | None = None, device: str = "cpu", **options: Any) -> Job:
+    """The toy LM ``model`` trained on the shipped text; ``options``: further :class:`Job`
+    fields (checkpointing)."""
     return Job(model_fn=functools.partial(_toy_model, model, stages, max(layers or stages, stages), seq),
                loss_fn=lm_loss, data_fn=functools.partial(_text, batch, seq),
                schedule_fn=schedule_fn, optimizer_fn=optimizer_fn or functools.partial(_adamw, lr),
-               lr_scheduler_fn=lr_scheduler_fn, steps=steps, seed=seed, timeout_s=timeout_s, device=device)
+               lr_scheduler_fn=lr_scheduler_fn, steps=steps, seed=seed, timeout_s=timeout_s, device=device,
+               **options)
 
 
 @dataclass

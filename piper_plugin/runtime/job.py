@@ -7,10 +7,13 @@ global batches ``(inputs..., target)``, ``schedule_fn`` applies directives, and
 gets a region's parameters as a :class:`~piper_plugin.runtime.optimizers.ParamList`, names
 included, and ZeRO rebinds its groups to shards). ``schedule_fn``
 turns the captured program into a :class:`Schedule` (its grid sets the world size).
+``checkpoint_dir`` / ``checkpoint_every`` / ``resume_from`` save and resume the job
+(:mod:`~piper_plugin.runtime.train_checkpoint`): steps run from ``first_step`` (the resumed
+checkpoint's step) to ``steps``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -36,6 +39,11 @@ class Job:
     lr_scheduler_fn: Callable[[torch.optim.Optimizer], object] | None = None
     capture_grads: bool = False
     device: str = "cpu"  # "cuda": each rank uses GPU LOCAL_RANK with NCCL; "cpu": gloo
+    checkpoint_dir: str | None = None  # save into DIR/step-<N> after the last step (and every N)
+    checkpoint_every: int | None = None
+    resume_from: str | None = None  # a complete checkpoint directory (DIR/step-<N>)
+    first_step: int = 0  # the resumed checkpoint's step
+    description: dict = field(default_factory=dict)  # what a checkpoint records about the job
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)

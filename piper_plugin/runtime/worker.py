@@ -11,7 +11,9 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from piper_plugin.ir.capture import Program
 from piper_plugin.runtime.executor import Executor, ExecutorConfig
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.memory import tensor_bytes
+from piper_plugin.runtime.train_checkpoint import load_checkpoint, save_checkpoint
 from piper_plugin.runtime.value_specs import probe_values
 from piper_plugin.scheduler.plan import Plan
 
@@ -52,9 +55,25 @@ class Worker:
         self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
         self.loss_group = self._loss_group(program)
         self.step_index = 0
+        if job.resume_from:
+            self._resume(job.resume_from)
         self.step_base_bytes = 0  # allocated when the current step began (GPU)
         gc.collect()
         gc.freeze()  # model, plan and DAG live for the whole job: keep them out of every collection
+
+    def _resume(self, path: str) -> None:
+        """Continue from a checkpoint: its parameters, optimizer state and RNG, the data after
+        the batches it consumed, every LR schedule replayed to its step."""
+        self.step_index = load_checkpoint(self.executor, Path(path))
+        if self.step_index != self.job.first_step:
+            raise ValueError(f"checkpoint {path} is at step {self.step_index}, the job expects {self.job.first_step}")
+        for _ in range(self.step_index):
+            next(self.data)
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": a replay
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(self.step_index):
+                for scheduler in self.schedulers:
+                    scheduler.step()
 
     def _loss_group(self, program: Program):
         """All ranks holding the loss region, so every last-stage rank reports the global loss."""
@@ -82,6 +101,11 @@ class Worker:
             dist.all_reduce(loss, group=self.loss_group)
             metrics["loss"] = loss.item()
         self.step_index += 1
+        every, job = self.job.checkpoint_every, self.job
+        if job.checkpoint_dir and (self.step_index == job.steps or (every and self.step_index % every == 0)):
+            saved = save_checkpoint(self.executor, Path(job.checkpoint_dir), self.step_index, job.description)
+            if self.rank == 0:
+                metrics["checkpoint"] = str(saved)
         return metrics
 
     def peak_memory(self) -> int:

@@ -76,7 +76,7 @@ def _child(rank: int, shipped: bytes, port: int, out: mp.Queue) -> None:
         if body is not None:
             out.put(("result", rank, _pack(body(worker))))
         else:
-            for _ in range(job.steps):
+            for _ in range(job.first_step, job.steps):
                 out.put(("metrics", rank, worker.step()))
             out.put(("result", rank, _pack(_final(worker))))
         out.put(("done", rank, None))

@@ -209,7 +209,7 @@ def run_ray(job: Job, program, plan, *, address: str | None = None,
         host, port = ray.get(actors[0].endpoint.remote(local))
         setup = [a.setup.remote(r, job, program, plan, f"tcp://{host}:{port}", local) for r, a in enumerate(actors)]
         _wait(setup, ranks, job, actors)
-        for _ in range(job.steps):
+        for _ in range(job.first_step, job.steps):
             for metrics in _wait([a.step.remote() for a in actors], ranks, job, actors):
                 if on_metrics:
                     on_metrics(metrics)

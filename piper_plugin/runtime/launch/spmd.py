@@ -26,7 +26,7 @@ def run_spmd(job: Job, *, on_metrics: Callable[[dict], None] | None = None) -> d
     init_distributed(device_for(job.device, rank), job.timeout_s)  # NCCL for --device cuda
     program, _, plan, _ = compile_job(job)
     worker = Worker(dist.get_rank(), job, program, plan)
-    for _ in range(job.steps):
+    for _ in range(job.first_step, job.steps):
         metrics = worker.step()
         if on_metrics:
             on_metrics(metrics)
