@@ -160,19 +160,22 @@ def test_a_split_that_would_repeat_a_custom_function_is_seen():
     assert not weight_pass_repeats_work([fused(torch.randn(2, 4))], [x]), "no input below: nothing splits"
 
 
-def test_last_backward_runs_a_custom_function_once_and_trains_the_same():
+@pytest.mark.parametrize("recipe", ["1f1b", "zb-h1", "dualpipev"])
+def test_a_backward_whose_split_repeats_a_custom_function_runs_once_and_trains_the_same(recipe):
     """1F1B on 2 ranks splits the last stage's last backward to send its input gradients first;
-    with every linear layer a custom Function that split would run each layer's backward twice,
-    so that B runs as one pass: each Function's backward once per forward, and the same
-    parameters after two steps as with plain linear layers (where the split happens)."""
+    zero-bubble and DualPipeV split backwards into BI and BW tasks. With every linear layer a
+    custom Function a split would run each layer's backward twice, so each such B or BI runs as
+    one pass (its BW has nothing left): each Function's backward once per forward, and the same
+    parameters after two steps as with plain linear layers (where the splits happen)."""
     from benchmarks._common import lm_config, lm_job
     from piper_plugin.compiler import compile_job
     from reference_executor import ReferenceExecutor
 
-    job = lm_job(lm_config(dim=16, layers=2, heads=2, ffn=32, seq=8, vocab=64), recipe="1f1b", pp=2,
+    job = lm_job(lm_config(dim=16, layers=4, heads=2, ffn=32, seq=8, vocab=64), recipe=recipe, pp=2,
                  microbatches=4, batch=8)
     program, _, plan, _ = compile_job(job)
-    assert plan.ranks[1].split_first, "the plan no longer splits a last backward: the test shows nothing"
+    assert any(rp.split_first for rp in plan.ranks) or any(n.kind.name == "BI" for n in plan.dag.nodes.values()), \
+        "the plan splits no backward: the test shows nothing"
     model = job.build_model()
     swapped = [m for m in model.modules() if type(m) is nn.Linear]
     assert swapped

@@ -79,9 +79,11 @@ def _backward(state: RankState, node: Node) -> None:
 
 
 def _backward_input(state: RankState, node: Node) -> None:
-    # its BW comes right after on this stream, or a piece of a paused forward (no split of its
-    # own: its BW has nothing left to do): one pass
-    if node.key in state.fused_backward or hasattr(state.chunks[node.region], "backward_piece"):
+    # its BW comes right after on this stream, a piece of a paused forward (no split of its
+    # own), or a graph whose BW would repeat BI's work (BI costs a full pass anyway): one pass,
+    # its BW has nothing left to do
+    if (node.key in state.fused_backward or hasattr(state.chunks[node.region], "backward_piece")
+            or not _split_pays(state, node)):
         _backward(state, node)
         return
     key = (node.region, node.microbatch)
@@ -144,18 +146,23 @@ def _hand_off_grads(state: RankState, node: Node) -> None:
 
 
 def _split_pays(state: RankState, node: Node) -> bool:
-    """Whether B's graph splits without repeating work (:func:`weight_pass_repeats_work`)."""
-    leaves, outputs = state.saved[(node.region, node.microbatch)]
-    outs = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-    return not weight_pass_repeats_work(outs, [leaf for leaf in leaves.values() if leaf.requires_grad])
+    """Whether B's graph splits without repeating work (:func:`weight_pass_repeats_work`):
+    decided on the region's first backward (which nodes sit on the frontier is the region's code)."""
+    pays = state.split_pays.get(node.region)
+    if pays is None:
+        leaves, outputs = state.saved[(node.region, node.microbatch)]
+        outs = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        wanted = [leaf for leaf in leaves.values() if leaf.requires_grad]
+        pays = state.split_pays[node.region] = not weight_pass_repeats_work(outs, wanted)
+    return pays
 
 
 def run_compute(state: RankState, node: Node) -> Continue | None:
     """Run ``node``. A B in ``state.input_grads_first`` runs its input-gradient pass, delivers
     those gradients and returns the weight-gradient pass as a :class:`Continue`: the runner
     posts the sends upstream before the rest runs (same gradients as one full backward). Where
-    that split would repeat work (custom autograd Functions on the weight side, e.g.
-    Megatron's linear layers) it runs as one pass, as any other B."""
+    a split would repeat work (custom autograd Functions on the weight side, e.g. Megatron's
+    linear layers) that B runs as one pass, and a BI too (its BW then has nothing to do)."""
     if node.key in state.input_grads_first and _split_pays(state, node):
         _backward_input(state, node)
 

@@ -69,6 +69,7 @@ class RankState:
         self.bucket_lock = threading.Lock()  # a bucket's references and its storage change together
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
+        self.split_pays: dict[str, bool] = {}  # region -> BI + BW cost no more than one backward
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.batch_shapes: tuple = ()  # every microbatch's input shapes, by input name
         self.losses: list[torch.Tensor] = []
