@@ -1,6 +1,7 @@
 """``piper train``: run a schedule on real ranks and train the toy LM on the shipped text.
 
     piper train --recipe 1f1b --pp 2 --microbatches 4 --steps 30 [--metrics m.jsonl] [--trace DIR]
+    piper train ... --checkpoint ckpt --checkpoint-every 10; piper train ... --resume ckpt --steps 60
 
 The strategy flags are those of ``piper plan``. Ranks start as Ray actors (default; a quiet
 local Ray, or an existing cluster with ``--address``), as forked local processes
@@ -8,6 +9,10 @@ local Ray, or an existing cluster with ``--address``), as forked local processes
 (``--launcher spmd``; every rank runs this command, rank 0 prints and writes the files).
 One line per step once every rank reported it; a summary at the end; ``--trace`` writes the
 measured last step as a Chrome trace and a picture next to the simulator's picture.
+``--checkpoint`` saves every rank's state in torch.distributed.checkpoint format; ``--resume``
+continues it under any strategy of the same model, data and batch
+(:mod:`~piper_plugin.runtime.train_checkpoint`): what the job trains (model, layers, seq, batch,
+seed, lr) comes from the checkpoint unless given, and must then agree with it.
 """
 from __future__ import annotations
 
@@ -38,10 +43,21 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
         description="Run a schedule on pp x dp x ep ranks and train the toy LM on the shipped text: "
                     "one line per step, a summary, optionally a metrics file and the measured trace.")
     add_strategy_args(train)
-    train.add_argument("--steps", type=positive_int, default=20, metavar="N", help="training steps (default: 20)")
-    train.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    train.add_argument("--seed", type=_natural, default=0, help="model init and data order seed (default: 0)")
-    train.add_argument("--seq", type=positive_int, default=32, metavar="T", help="sequence length (default: 32)")
+    train.add_argument("--steps", type=positive_int, default=20, metavar="N",
+                       help="training steps in all, a resumed run's included (default: 20)")
+    train.add_argument("--lr", type=positive_float, help=f"AdamW learning rate (default: {_DEFAULTS['lr']:g})")
+    train.add_argument("--seed", type=_natural, help=f"model init and data order seed (default: {_DEFAULTS['seed']})")
+    train.add_argument("--seq", type=positive_int, metavar="T", help=f"sequence length (default: {_DEFAULTS['seq']})")
+    train.add_argument("--layers", type=positive_int, metavar="L",
+                       help="transformer layers, at least one per stage (default: the stages, at least 2); "
+                            "fix it to resume under another --pp")
+    train.add_argument("--checkpoint", type=Path, metavar="DIR",
+                       help="save DIR/step-<N> (torch.distributed.checkpoint) after the last step and every "
+                            "--checkpoint-every steps")
+    train.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="also save every N steps")
+    train.add_argument("--resume", type=Path, metavar="PATH",
+                       help="continue from PATH (a step-<N> directory, or the newest complete one in it) under "
+                            "this command's strategy; --steps counts from the start of the run")
     train.add_argument("--nproc", type=positive_int, metavar="N",
                        help="number of ranks; must equal pp x dp x ep (a check, it sets nothing)")
     train.add_argument("--launcher", choices=LAUNCHERS, default="ray",
@@ -66,6 +82,47 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     return train
 
 
+_DEFAULTS = {"seq": 32, "lr": 3e-3, "seed": 0}
+_JOB_FLAGS = {"model": "--model", "layers": "--layers", "seq": "--seq", "batch": "--batch", "seed": "--seed",
+              "lr": "--lr"}
+
+
+def _resumed(args: argparse.Namespace) -> tuple[Path, dict[str, Any]] | None:
+    """The complete checkpoint ``--resume`` names, with its mark (found before any rank starts)."""
+    from piper_plugin.runtime.train_checkpoint import MARK, complete_checkpoint
+
+    if args.resume is None:
+        return None
+    found = complete_checkpoint(args.resume) if args.resume.is_dir() else None
+    if found is None:
+        raise UsageError(f"--resume {str(args.resume)!r}: no complete checkpoint there (a step-<N> directory "
+                         f"holding {MARK}, as --checkpoint writes); name one, or the directory given to --checkpoint")
+    path, mark = found
+    if mark["step"] >= args.steps:
+        raise UsageError(f"--steps {args.steps}: the checkpoint {str(path)!r} is at step {mark['step']} already; "
+                         "--steps counts from the start of the run, ask for more")
+    return found
+
+
+def _job_flags(args: argparse.Namespace, setup, resumed) -> dict[str, Any]:
+    """What the job trains: given flags, else the checkpoint's, else the defaults; a given flag
+    that disagrees with the checkpoint is an error naming it."""
+    saved = resumed[1].get("job", {}) if resumed else {}
+    defaults = {**_DEFAULTS, "model": args.model, "layers": max(setup.stages, 2),
+                "batch": setup.microbatches * setup.dp * setup.ep * 2}
+    flags = {}
+    for key, flag in _JOB_FLAGS.items():
+        given = getattr(args, key)
+        if resumed and given is not None and key in saved and given != saved[key]:
+            raise UsageError(f"--resume: the checkpoint trained {flag} {saved[key]}, not {given}; drop {flag} or "
+                             f"pass {flag} {saved[key]}")
+        flags[key] = given if given is not None else saved.get(key, defaults[key])
+    if flags["layers"] < setup.stages:
+        raise UsageError(f"--layers {flags['layers']}: the schedule has {setup.stages} stages, at least one layer "
+                         f"each; use --layers {setup.stages} or more")
+    return flags
+
+
 def _check(args: argparse.Namespace, setup) -> int:
     world = setup.pp * setup.dp * setup.ep
     if args.nproc is not None and args.nproc != world:
@@ -73,6 +130,10 @@ def _check(args: argparse.Namespace, setup) -> int:
                          f"{setup.pp} x {setup.dp} x {setup.ep} = {world} ranks")
     if args.trace is not None and args.trace.exists() and not args.trace.is_dir():
         raise UsageError(f"--trace {str(args.trace)!r} is a file; it names a directory (created if missing)")
+    if args.checkpoint_every is not None and args.checkpoint is None:
+        raise UsageError("--checkpoint-every saves into --checkpoint DIR; give that too")
+    if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
+        raise UsageError(f"--checkpoint {str(args.checkpoint)!r} is a file; it names a directory (created if missing)")
     if args.address and args.launcher != "ray":
         raise UsageError(f"--address joins a Ray cluster; it needs --launcher ray, not {args.launcher}")
     if args.launcher == "spmd":
@@ -91,10 +152,6 @@ def _check(args: argparse.Namespace, setup) -> int:
         if have < needed:
             raise UsageError(f"--device cuda needs one GPU per rank: {needed} rank(s) here but {have} GPU(s); "
                              "use --device cpu, or --address of a Ray cluster with GPUs")
-    from piper_plugin.data.text import token_stream
-
-    if args.seq >= len(token_stream()):
-        raise UsageError(f"--seq {args.seq} is longer than the shipped corpus ({len(token_stream())} tokens)")
     return world
 
 
@@ -103,12 +160,22 @@ def run_train(args: argparse.Namespace) -> int:
     from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
 
+    from piper_plugin.data.text import token_stream
+
     setup = resolve_strategy(args)
     world = _check(args, setup)
-    batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
-    layers = max(setup.stages, 2)
-    job = toy_job(setup.apply, model=args.model, stages=setup.stages, layers=layers, batch=batch, seq=args.seq,
-                  steps=args.steps, lr=args.lr, seed=args.seed, timeout_s=args.timeout, device=args.device)
+    resumed = _resumed(args)
+    flags = _job_flags(args, setup, resumed)
+    if flags["seq"] >= len(token_stream()):
+        raise UsageError(f"--seq {flags['seq']} is longer than the shipped corpus ({len(token_stream())} tokens)")
+    model, batch, layers, seq, lr, seed = (flags[k] for k in ("model", "batch", "layers", "seq", "lr", "seed"))
+    described = {"job": flags, "strategy": {"recipe": setup.name, "pp": setup.pp, "dp": setup.dp, "ep": setup.ep,
+                                            "zero": setup.zero, "microbatches": setup.microbatches}}
+    job = toy_job(setup.apply, model=model, stages=setup.stages, layers=layers, batch=batch, seq=seq,
+                  steps=args.steps, lr=lr, seed=seed, timeout_s=args.timeout, device=args.device,
+                  checkpoint_dir=str(args.checkpoint) if args.checkpoint else None,
+                  checkpoint_every=args.checkpoint_every, resume_from=str(resumed[0]) if resumed else None,
+                  first_step=resumed[1]["step"] if resumed else 0, description=described)
     spmd = args.launcher == "spmd"
     leader = not spmd or int(os.environ.get("RANK", "0")) == 0
     say = print if leader else (lambda *a, **k: None)
@@ -122,12 +189,16 @@ def run_train(args: argparse.Namespace) -> int:
             args.metrics.parent.mkdir(parents=True, exist_ok=True)
             metrics_file = args.metrics.open("w")
         where = f"Ray cluster {args.address}" if args.address else args.launcher
-        say(f"train    {args.model}, {layers} layers in {setup.stages} stages, schedule {setup.name}: "
+        say(f"train    {model}, {layers} layers in {setup.stages} stages, schedule {setup.name}: "
             f"pp={setup.pp} dp={setup.dp} ep={setup.ep} ({world} ranks, {where}), {setup.microbatches} "
             f"microbatches, zero {setup.zero}")
-        say(f"data     shipped text, batch {batch} x seq {args.seq} = {batch * args.seq:,} tokens/step, "
-            f"{args.steps} steps, AdamW lr {args.lr:g}, seed {args.seed}", flush=True)
-        progress = Progress(world, args.steps, metrics_file=metrics_file)
+        say(f"data     shipped text, batch {batch} x seq {seq} = {batch * seq:,} tokens/step, "
+            f"{args.steps} steps, AdamW lr {lr:g}, seed {seed}", flush=True)
+        if resumed:
+            was = resumed[1].get("strategy", {})
+            say(f"resume   {resumed[0]} (step {resumed[1]['step']}; saved under "
+                f"{' '.join(f'{k}={v}' for k, v in was.items())})", flush=True)
+        progress = Progress(world, args.steps, metrics_file=metrics_file, first_step=job.first_step)
         on_metrics = _gathering(progress, leader) if spmd else progress
         owned = spmd and not _initialized()  # this command makes torchrun's process group: it ends it too
         with warnings.catch_warnings():  # forked ranks inherit the filter

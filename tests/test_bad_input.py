@@ -25,6 +25,13 @@ MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidde
             "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
             "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--pipeline-engine=piper"]
 
+# checkpoint directories a case names: one that died before it was marked complete, one marked
+# complete at step 3 of a 2-layer toy LM (its mark is all the checks before any rank starts read)
+DIRS = {
+    "ckpt-partial": {".step-5.partial/.metadata": "", "step-4/.metadata": ""},
+    "ckpt-lm": {"step-3/piper.json": '{"step": 3, "plan": "0", "world": 2, "job": {"model": "toy-lm", '
+                                     '"layers": 2, "seq": 32, "batch": 8, "seed": 0, "lr": 0.003}}'},
+}
 # files a case names by their file name; written into the test's folder
 FILES = {
     "boom.py": "raise RuntimeError('boom')\n",
@@ -72,6 +79,14 @@ TRAIN = [
     (["--timeout", "0"], "argument --timeout: must be a positive number"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--recipe-file", "signature.py", "--launcher", "fork"], "signature.py"),
+    (["--layers", "1"], "--layers 1: the schedule has 2 stages, at least one layer each"),
+    (["--checkpoint-every", "2"], "--checkpoint-every saves into --checkpoint DIR; give that too"),
+    (["--checkpoint", "boom.py"], "is a file; it names a directory"),
+    (["--resume", "ckpt-partial"], "no complete checkpoint there"),
+    (["--resume", "nowhere"], "no complete checkpoint there"),
+    (["--resume", "ckpt-lm", "--layers", "4"], "the checkpoint trained --layers 2, not 4; drop --layers"),
+    (["--resume", "ckpt-lm", "--model", "toy-moe"], "the checkpoint trained --model toy-lm, not toy-moe"),
+    (["--resume", "ckpt-lm", "--steps", "3"], "is at step 3 already"),
 ]
 if not torch.cuda.is_available():
     TRAIN.append((["--device", "cuda", "--launcher", "fork"], "--device cuda needs one GPU per rank: 2 rank(s) here but 0"))
@@ -136,6 +151,11 @@ def _files(folder: Path) -> dict[str, Path]:
     for name, text in FILES.items():
         paths[name] = folder / name
         paths[name].write_text(text)
+    for name, content in DIRS.items():
+        paths[name] = folder / name
+        for relative, text in content.items():
+            (paths[name] / relative).parent.mkdir(parents=True, exist_ok=True)
+            (paths[name] / relative).write_text(text)
     paths["lm-trace.json"] = folder / "lm-trace.json"  # a trace recorded on the toy LM (4 stages)
     paths["lm-trace.json"].write_text(_lm_trace())
     return paths
@@ -182,9 +202,10 @@ def _tiered(cases):
 
 @pytest.mark.parametrize("command, argv, message", _tiered(CASES))
 def test_bad_input_ends_in_one_line_before_anything_starts(command, argv, message, tmp_path, capsys, monkeypatch):
-    files = _files(tmp_path) if any(a in FILES or a.endswith(".json") for a in argv) else {}
+    files = _files(tmp_path) if any(a in FILES or a in DIRS or a.endswith(".json") for a in argv) else {}
     capsys.readouterr()
-    argv = [str(files[a]) if a in files else str(tmp_path / a) if a.endswith((".py", ".json")) else a for a in argv]
+    argv = [str(files[a]) if a in files else str(tmp_path / a) if a.endswith((".py", ".json")) or a == "nowhere"
+            else a for a in argv]
     start = time.perf_counter()
     code = _run(command, argv, monkeypatch)
     elapsed = time.perf_counter() - start
