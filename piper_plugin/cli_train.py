@@ -51,6 +51,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     train.add_argument("--layers", type=positive_int, metavar="L",
                        help="transformer layers, at least one per stage (default: the stages, at least 2); "
                             "fix it to resume under another --pp")
+    train.add_argument("--on-nan", choices=("stop", "skip"), default="stop",
+                       help="a step whose loss is NaN or infinite: stop the job naming it (default), or skip "
+                            "it: no rank applies its update")
     train.add_argument("--checkpoint", type=Path, metavar="DIR",
                        help="save DIR/step-<N> (torch.distributed.checkpoint) after the last step and every "
                             "--checkpoint-every steps")
@@ -175,7 +178,8 @@ def run_train(args: argparse.Namespace) -> int:
                   steps=args.steps, lr=lr, seed=seed, timeout_s=args.timeout, device=args.device,
                   checkpoint_dir=str(args.checkpoint) if args.checkpoint else None,
                   checkpoint_every=args.checkpoint_every, resume_from=str(resumed[0]) if resumed else None,
-                  first_step=resumed[1]["step"] if resumed else 0, description=described)
+                  first_step=resumed[1]["step"] if resumed else 0, description=described,
+                  on_nonfinite_loss=args.on_nan)
     spmd = args.launcher == "spmd"
     leader = not spmd or int(os.environ.get("RANK", "0")) == 0
     say = print if leader else (lambda *a, **k: None)

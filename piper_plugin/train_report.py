@@ -76,6 +76,8 @@ class Progress:
                 self.first_step_at = time.monotonic()
             self.done.append(stats)
             self.echo(self.line(stats))
+            if any(m.get("skipped") for m in ranks):
+                self.echo(f"skipped  step {stats.step + 1}: a loss was not finite, no rank applied its update")
             for saved in sorted({m["checkpoint"] for m in ranks if "checkpoint" in m}):
                 self.echo(f"saved    {saved}")
 

@@ -1,4 +1,4 @@
-"""A two-stage model whose stage-1 chunk can raise, die or stall on one rank (fault tests)."""
+"""A two-stage model whose stage-1 chunk can raise, die, stall or turn NaN on one rank (fault tests)."""
 import os
 import signal
 import time
@@ -25,6 +25,8 @@ def trip(x: torch.Tensor) -> torch.Tensor:
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "stall":
                 time.sleep(120)
+            if fault == "nan":
+                return x * float("nan")
     return x
 
 

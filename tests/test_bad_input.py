@@ -87,6 +87,7 @@ TRAIN = [
     (["--resume", "ckpt-lm", "--layers", "4"], "the checkpoint trained --layers 2, not 4; drop --layers"),
     (["--resume", "ckpt-lm", "--model", "toy-moe"], "the checkpoint trained --model toy-lm, not toy-moe"),
     (["--resume", "ckpt-lm", "--steps", "3"], "is at step 3 already"),
+    (["--on-nan", "ignore"], "argument --on-nan: invalid choice: 'ignore'"),
 ]
 if not torch.cuda.is_available():
     TRAIN.append((["--device", "cuda", "--launcher", "fork"], "--device cuda needs one GPU per rank: 2 rank(s) here but 0"))

@@ -41,6 +41,8 @@ def _forward(state: RankState, node: Node) -> None:
     state.saved[(node.region, mb)] = (leaves, outputs)
     if node.region == state.loss_region:
         state.losses.append(outputs[state.loss_value].detach() * state.scale)
+        if state.update_gate is not None:
+            state.update_gate.loss(state.losses[-1])
     state.deliver(node.key, {k: t.detach() for k, t in outputs.items()})
 
 
@@ -125,7 +127,8 @@ def _update(state: RankState, node: Node) -> None:
     if state.snapshot_grads:
         state.snapshot(node.region)
     optimizer = state.optimizers[node.region]
-    optimizer.step()
+    if state.update_gate is None or state.update_gate.allows():
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if getattr(optimizer, "host_steps", False):
         return  # the host reads the shards' gradients after the step (HostFaces) and steps itself

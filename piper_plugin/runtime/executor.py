@@ -33,6 +33,7 @@ from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
 from piper_plugin.runtime.rank_state import RankState, _Named
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
+from piper_plugin.runtime.update_gate import FiniteLossGate, update_before_loss
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan
 
@@ -73,6 +74,8 @@ class ExecutorConfig:
     weights) in the parameters' dtype, reduce gradients in ``reduce_dtype``; None: as is.
     ``experts_sharded``: the host hands over every expert-sharded region's parameters already cut
     to this rank's experts (as plain tensors or DTensors); False: whole, Piper keeps its slice.
+    ``skip_nonfinite_loss``: a step whose loss is NaN or infinite on any microbatch of any rank
+    applies no update anywhere (:mod:`.update_gate`; every rank of the world builds it).
     """
 
     timeout_s: float = 60.0
@@ -83,6 +86,7 @@ class ExecutorConfig:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     experts_sharded: bool = False
+    skip_nonfinite_loss: bool = False
 
     def runner(self) -> RunnerConfig:
         """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
@@ -162,6 +166,18 @@ class Executor:
         self._eval_group = None  # made on first eval (a collective over the replica's ranks)
         self.faces = (HostFaces(model, self.state.buckets, self.comm.bucket_group, adopted, self.device.type)
                       if hosted else None)
+        self.gate = self._gate(program) if config.skip_nonfinite_loss else None
+        self.state.update_gate = self.gate
+
+    def _gate(self, program: Program) -> FiniteLossGate:
+        blocked = update_before_loss(self.plan, program.loss_region)
+        if blocked is not None:
+            raise ValueError(f"skipping steps with a non-finite loss holds every UPDATE until all losses are known, "
+                             f"but in this plan {blocked[1]} can only run after {blocked[0]}: order the updates "
+                             f"after the last forward, or stop on a non-finite loss instead")
+        group = dist.new_group(backend="gloo")  # every rank of the world: replicas skip together
+        return FiniteLossGate(group, program.loss_region in self.state.regions, self.plan.microbatches,
+                              self.config.timeout_s)
 
     def _install_blocks(self, timeout_s: float) -> None:
         """ZeRO-3 by block: hooks on the blocks of this rank's regions that have them."""
@@ -203,8 +219,12 @@ class Executor:
         self._compute_context = compute_context
         if self.faces is not None:
             self._faces_out()
+        if self.gate is not None:
+            self.gate.begin_step()
         try:
             self.runner.run_step()
+            if self.gate is not None:
+                self.gate.end_step()
             self.comm.wait_sends()
             if self.comm.replica_group is not None:
                 self._sum_over_replicas()

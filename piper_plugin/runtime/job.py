@@ -44,6 +44,7 @@ class Job:
     resume_from: str | None = None  # a complete checkpoint directory (DIR/step-<N>)
     first_step: int = 0  # the resumed checkpoint's step
     description: dict = field(default_factory=dict)  # what a checkpoint records about the job
+    on_nonfinite_loss: str = "stop"  # "stop": end the job naming the step; "skip": no rank applies that step
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)

@@ -70,6 +70,7 @@ class RankState:
         self.saved: dict[tuple[str, int], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
         self.split_pays: dict[str, bool] = {}  # region -> BI + BW cost no more than one backward
+        self.update_gate = None  # a FiniteLossGate: UPDATEs apply only if every loss was finite
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.batch_shapes: tuple = ()  # every microbatch's input shapes, by input name
         self.losses: list[torch.Tensor] = []

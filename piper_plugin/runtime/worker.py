@@ -9,6 +9,7 @@ tokens/s and peak memory.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import time
 import warnings
@@ -50,7 +51,8 @@ class Worker:
             meta_model = job.model_fn()
         specs = probe_values(program, meta_model, job.loss_fn, micro)
         self.executor = Executor(plan, program, rank, model, job.loss_fn, specs=specs, optimizer_fn=job.optimizer_fn,
-                                 config=ExecutorConfig(timeout_s=job.timeout_s, capture_grads=job.capture_grads))
+                                 config=ExecutorConfig(timeout_s=job.timeout_s, capture_grads=job.capture_grads,
+                                                       skip_nonfinite_loss=job.on_nonfinite_loss == "skip"))
         self.state, self.comm, self.runner = self.executor.state, self.executor.comm, self.executor.runner
         self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
         self.loss_group = self._loss_group(program)
@@ -100,6 +102,12 @@ class Worker:
             loss = torch.stack(losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
             metrics["loss"] = loss.item()
+            if not math.isfinite(metrics["loss"]) and self.job.on_nonfinite_loss == "stop":
+                raise FloatingPointError(f"step {self.step_index + 1}: the loss is {metrics['loss']} on rank {self.rank}; "
+                                         f"the job stops here (no checkpoint after this step); skip such steps "
+                                         f"instead with --on-nan skip")
+        if self.executor.gate is not None and self.executor.gate.skipped:
+            metrics["skipped"] = True
         self.step_index += 1
         every, job = self.job.checkpoint_every, self.job
         if job.checkpoint_dir and (self.step_index == job.steps or (every and self.step_index % every == 0)):
