@@ -22,12 +22,13 @@ def adamw(params):
 
 def check_parity(model, loss_fn, batch: tuple, schedule: Callable[[Schedule], None], *, pp: int,
                  dp: int = 1, ep: int = 1, steps: int = 3, on_plan: Callable | None = None,
-                 meter: bool = True, optimizer: Callable | None = None) -> dict:
+                 meter: bool = True, optimizer: Callable | None = None, program=None) -> dict:
     """Train ``steps`` AdamW steps both ways; assert loss, grads and params agree. ``on_plan``
     sees the compiled plan before it runs; ``meter=False`` leaves activation memory uncounted;
-    ``optimizer`` (default AdamW) makes both sides' optimizers from a parameter list."""
+    ``optimizer`` (default AdamW) makes both sides' optimizers from a parameter list;
+    ``program``: ``model``'s capture on this batch's shapes, made before (None: captured here)."""
     *inputs, target = batch
-    program = capture(model, loss_fn, tuple(inputs), target)
+    program = program if program is not None else capture(model, loss_fn, tuple(inputs), target)
     sch = Schedule(program, pp=pp, dp=dp, ep=ep)
     schedule(sch)
     plan = build_plan(sch.dag, sch.grid)

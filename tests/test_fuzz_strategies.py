@@ -38,7 +38,7 @@ from piper_plugin.scheduler.plan import PlanError, build_plan
 from parity import check_parity
 
 LONG = os.environ.get("PIPER_FUZZ_EXAMPLES")  # a long run: random draws; the suite: a fixed sample
-FULL = int(LONG or 50)
+FULL = int(LONG or 190)
 FAST = 2
 RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
 STREAM_OVERLAYS = [None, "kind=SEND", "kind=ALL_GATHER", "kind=REDUCE_SCATTER", "kind=ALL_TO_ALL"]
@@ -93,11 +93,24 @@ def _schedule(spec: dict):
     return apply
 
 
+_PROGRAMS: dict[tuple, object] = {}
+
+
+def _program(spec: dict, model, tokens, targets):
+    """The capture of ``spec``'s model on this batch, once per model structure and batch shape
+    (a Schedule copies the program's DAG: captures are shared, never changed)."""
+    stages = stages_needed(spec["recipe"], spec["pp"], spec["chunks"])
+    key = (spec["moe"], spec["tie"], stages, tuple(tokens.shape))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = capture(model, lm_loss, (tokens,), targets)
+    return _PROGRAMS[key]
+
+
 def _plan(spec: dict):
     """The compiled plan of ``spec`` (None: refused up front, with a reason)."""
     model, cfg = _model(spec)
     tokens, targets = lm_batch(cfg, 2 * spec["microbatches"] * spec["dp"] * spec["ep"], torch.Generator().manual_seed(1))
-    sch = Schedule(capture(model, lm_loss, (tokens,), targets), pp=spec["pp"], dp=spec["dp"], ep=spec["ep"])
+    sch = Schedule(_program(spec, model, tokens, targets), pp=spec["pp"], dp=spec["dp"], ep=spec["ep"])
     try:
         _schedule(spec)(sch)
         return build_plan(sch.dag, sch.grid)
@@ -123,7 +136,7 @@ def _check(spec: dict) -> None:
     try:
         check_parity(model, lm_loss, batch, _schedule(spec), pp=spec["pp"], dp=spec["dp"], ep=spec["ep"], steps=2,
                      on_plan=lambda plan: HASHES.append((spec, plan.hash())), meter=False,
-                     optimizer=_sgd)
+                     optimizer=_sgd, program=_program(spec, model, *batch))
     except (DirectiveError, PlanError) as exc:  # refused up front, naming why: hypothesis draws another
         assert str(exc), "a refusal names its reason"
         assume(False)
