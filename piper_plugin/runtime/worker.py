@@ -4,7 +4,7 @@ Every launch mode (forked processes, Ray actors, torchrun) runs this same class.
 compiled; the worker checks nothing about recipes. Per step it feeds the global batch to its
 :class:`Executor` (which takes its data shard and runs the rank's plan), steps its LR
 schedulers and reports the metrics: loss (the global mean, on last-stage ranks), step time,
-tokens/s and peak memory.
+tokens/s, peak memory and the process's resident memory.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class Worker:
         metrics: dict[str, Any] = {"step": self.step_index, "rank": self.rank, "step_time_s": elapsed,
                                    "tokens_per_s": self.tokens_per_step / elapsed,
                                    "peak_memory_bytes": self.peak_memory(),
-                                   "transient_peak_bytes": self.transient_peak()}
+                                   "transient_peak_bytes": self.transient_peak(), "rss_bytes": resident_bytes()}
         if self.loss_group is not None:
             loss = torch.stack(losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
@@ -148,6 +148,16 @@ class Worker:
         total = sum((b.shard_numel if b.zero >= 2 else b.numel) * b.flat.element_size()
                     for b in self.state.buckets.values())
         return total + sum(p.numel() * p.element_size() for p in self.state.unbucketed().values() if p.requires_grad)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc``; None elsewhere): what a leak outside
+    the meter's view (Python objects, traces, message buffers) would grow."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def init_distributed(device: torch.device, timeout_s: float, **kwargs: Any) -> None:
