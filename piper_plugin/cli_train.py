@@ -67,7 +67,8 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                        help="ray: one actor per rank (default); fork: local processes; "
                             "spmd: inside torchrun (every rank runs this command)")
     train.add_argument("--address", metavar="HOST:PORT",
-                       help="join an existing Ray cluster (started with RAY_AUTH_MODE=disabled ray start --head) "
+                       help="join an existing Ray cluster (start it with token authentication: `ray get-auth-token "
+                            "--generate`, then RAY_AUTH_MODE=token ray start --head; set RAY_AUTH_MODE=token here too) "
                             "instead of starting a local one")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cpu: gloo between ranks; cuda: one GPU per rank (LOCAL_RANK), NCCL, one CUDA "

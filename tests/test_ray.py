@@ -105,3 +105,80 @@ def test_the_driver_asks_stalled_actors_what_they_do(ray_cluster):
         assert _statuses([alive, dead], [0, 1]) == "rank 0: setting up; rank 1: no answer"
     finally:
         ray.kill(alive)
+
+
+def _tree(root: int) -> set[int]:
+    """``root`` and every process below it (from /proc)."""
+    parent = {}
+    for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
+        try:
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+            parent[int(stat.split("/")[2])] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grown = {root}, True
+    while grown:
+        below = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= below
+        grown = bool(below)
+    return tree
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str]]:
+    """(pid, local address) of every listening TCP socket those processes hold (from /proc)."""
+    import glob
+    import ipaddress
+    import os
+
+    owner = {}
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+            out.append((owner[fields[9]], str(ipaddress.ip_address(words))))
+    return out
+
+
+def _loopback(address) -> bool:
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from an IPv6 socket
+    return (mapped or address).is_loopback
+
+
+@pytest.mark.slow
+def test_a_default_run_listens_on_the_loopback_only(tmp_path):
+    """While a default ``piper train`` (a local Ray it starts itself) trains, every listening
+    socket of the driver and everything below it (GCS, raylet, workers, agents) is on the
+    loopback address."""
+    import ipaddress
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    job = subprocess.Popen([sys.executable, "-m", "piper_plugin.cli", "train", "--steps", "100000"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                           start_new_session=True)
+    try:
+        for line in job.stdout:  # "step      3/100000  loss ..."
+            if line.split("/")[0].split() == ["step", "3"]:
+                break
+        assert job.poll() is None, "the run ended before its third step"
+        sockets = _listening(_tree(job.pid))
+        assert len(sockets) >= 5, f"found too few listening sockets to tell anything: {sockets}"
+        wide = [(pid, open(f"/proc/{pid}/comm").read().strip(), ip) for pid, ip in sockets
+                if not _loopback(ipaddress.ip_address(ip))]
+        assert not wide, f"listening beyond the loopback: {wide}"
+    finally:
+        os.killpg(job.pid, 9)
+        job.wait(30)

@@ -81,8 +81,9 @@ def add_launch_parser(commands) -> argparse.ArgumentParser:
     launch_parser.__class__ = _LaunchParser  # extras mean TorchTitan flags given without "--"
     launch_parser.add_argument("--nproc", type=_nproc, metavar="N", help="number of ranks (Ray actors); required")
     launch_parser.add_argument("--address", metavar="HOST:PORT",
-                               help="join an existing Ray cluster (started with RAY_AUTH_MODE=disabled ray start "
-                                    "--head) instead of starting a local one")
+                               help="join an existing Ray cluster (start it with token authentication: `ray "
+                                    "get-auth-token --generate`, then RAY_AUTH_MODE=token ray start --head; set "
+                                    "RAY_AUTH_MODE=token here too) instead of starting a local one")
     launch_parser.add_argument("--timeout", type=_seconds, default=600.0, metavar="S",
                                help="stop the job when no rank prints a line for S seconds (default: 600)")
     launch_parser.add_argument("--host", choices=("torchtitan", *sorted(_hosts())), default="torchtitan",

@@ -14,7 +14,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -25,7 +27,7 @@ import torch
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.streams import TaskFailed
 
-__all__ = ["WorkerFailed", "SECONDARY_ERRORS", "headline", "run_forked", "free_port", "stop"]
+__all__ = ["WorkerFailed", "SECONDARY_ERRORS", "headline", "run_forked", "free_port", "local_rendezvous", "stop"]
 
 
 class WorkerFailed(RuntimeError):
@@ -40,6 +42,14 @@ def headline(exc: BaseException) -> str:
     task and the original error; the traceback follows it), else the exception's repr."""
     text = str(exc) if isinstance(exc, TaskFailed) else repr(exc)
     return text.split("\n")[0]
+
+
+def local_rendezvous() -> tuple[str, str]:
+    """A torch.distributed init method for ranks on this machine: a file store in a fresh
+    directory (no listening socket, unlike a TCP store, which binds every interface), and that
+    directory, to remove once the job ended."""
+    folder = tempfile.mkdtemp(prefix="piper_rdzv_")
+    return f"file://{os.path.join(folder, 'store')}", folder
 
 
 def free_port() -> int:
@@ -65,14 +75,14 @@ def _context():
     return ctx
 
 
-def _child(rank: int, shipped: bytes, port: int, out: mp.Queue) -> None:
+def _child(rank: int, shipped: bytes, init_method: str, out: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # local ranks talk over loopback only
     try:
         from piper_plugin.runtime.worker import Worker
 
         job, program, plan, body = cloudpickle.loads(shipped)
-        worker = Worker(rank, job, program, plan, init_method=f"tcp://127.0.0.1:{port}")
+        worker = Worker(rank, job, program, plan, init_method=init_method)
         if body is not None:
             out.put(("result", rank, _pack(body(worker))))
         else:
@@ -130,8 +140,8 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
     ctx = _context()
     shipped = cloudpickle.dumps((job, program, plan, body))
     out: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, shipped, port, out), daemon=True)
+    init_method, folder = local_rendezvous()
+    procs = [ctx.Process(target=_child, args=(r, shipped, init_method, out), daemon=True)
              for r in range(plan.grid.world_size)]
     for p in procs:
         p.start()
@@ -163,6 +173,7 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
                 finished.add(rank)
     finally:
         stop(procs)
+        shutil.rmtree(folder, ignore_errors=True)
     return results
 
 

@@ -12,19 +12,22 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any, Callable
 
 from piper_plugin.runtime.job import Job
-from piper_plugin.runtime.launch.processes import SECONDARY_ERRORS, WorkerFailed, free_port, headline
+from piper_plugin.runtime.launch.processes import (
+    SECONDARY_ERRORS, WorkerFailed, free_port, headline, local_rendezvous,
+)
 
 __all__ = ["run_ray", "start_ray"]
 
 
 # Ray's own processes compete with the ranks for the cores (a 2-core machine has no spare):
 # nothing Piper does not read is started, collected or reported.
-_LEAN_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_IMPORT_WARNING": "1", "RAY_AUTH_MODE": "disabled",
+_LEAN_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_IMPORT_WARNING": "1",
              "RAY_LOGGER_LEVEL": "warning"}  # read when ray is first imported: no "Started a local Ray" line
 _LEAN_SYSTEM_CONFIG = {"enable_metrics_collection": False, "enable_timeline": False, "event_stats": False,
                        "task_events_report_interval_ms": 0}
@@ -43,6 +46,8 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
         os.environ.setdefault(key, value)
     if address:
         _check_reachable(address)
+    elif "ray" not in sys.modules:  # read as ray is imported: a one-machine cluster keeps to the loopback
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
@@ -51,9 +56,12 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
         return False
     temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
+    # on the loopback address every server of the local cluster (GCS, raylet, object manager,
+    # workers, agents) listens on 127.0.0.1 alone; Ray's own token authentication stays as the
+    # user set it (RAY_AUTH_MODE)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2**20, _temp_dir=temp_dir, runtime_env=runtime_env,
-             _system_config=_LEAN_SYSTEM_CONFIG)
+             _system_config=_LEAN_SYSTEM_CONFIG, _node_ip_address="127.0.0.1")
     atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
 
@@ -70,7 +78,8 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
         raise ConnectionError(f"Ray address {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); "
-                              "start one with `RAY_AUTH_MODE=disabled ray start --head` and pass the address it "
+                              "start one with `ray get-auth-token --generate` then `RAY_AUTH_MODE=token ray start --head` "
+                              "(and RAY_AUTH_MODE=token here) and pass the address it "
                               "prints") from None
 
 
@@ -204,10 +213,15 @@ def run_ray(job: Job, program, plan, *, address: str | None = None,
     cls = ray.remote(num_cpus=min(1.0, (os.cpu_count() or 2) / world), num_gpus=gpus, max_concurrency=2)(RankActor)
     actors = [cls.remote() for _ in range(world)]
     ranks = list(range(world))
+    folder = None
     try:
         _started(actors)
-        host, port = ray.get(actors[0].endpoint.remote(local))
-        setup = [a.setup.remote(r, job, program, plan, f"tcp://{host}:{port}", local) for r, a in enumerate(actors)]
+        if local:  # a file store: nothing listens for the rendezvous
+            init_method, folder = local_rendezvous()
+        else:
+            host, port = ray.get(actors[0].endpoint.remote(local))
+            init_method, folder = f"tcp://{host}:{port}", None
+        setup = [a.setup.remote(r, job, program, plan, init_method, local) for r, a in enumerate(actors)]
         _wait(setup, ranks, job, actors)
         for _ in range(job.first_step, job.steps):
             for metrics in _wait([a.step.remote() for a in actors], ranks, job, actors):
@@ -219,3 +233,5 @@ def run_ray(job: Job, program, plan, *, address: str | None = None,
             ray.kill(actor)
         if owned:
             ray.shutdown()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
