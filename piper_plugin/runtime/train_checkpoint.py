@@ -188,7 +188,8 @@ def load_checkpoint(executor, path: Path) -> int:
                              f"{tuple(piece.global_shape)} in this model")
         entries[name] = piece.view(piece.local, meshes)
         for key in state_keys.get(piece.fqn, ()):
-            entry, md = f"optim.{piece.fqn}:{key}", saved[f"optim.{piece.fqn}:{key}"]
+            entry = f"optim.{piece.fqn}:{key}"
+            md = saved[entry]
             if hasattr(md, "size"):  # a tensor: laid out as the parameter when shaped as it
                 shaped = tuple(md.size) == saved_shape
                 local = torch.empty(piece.local.shape if shaped else md.size, dtype=md.properties.dtype,

@@ -56,12 +56,12 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
         return False
     temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
-    # on the loopback address every server of the local cluster (GCS, raylet, object manager,
-    # workers, agents) listens on 127.0.0.1 alone; Ray's own token authentication stays as the
-    # user set it (RAY_AUTH_MODE)
+    # the node's address is the loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 above): every server
+    # of the local cluster (GCS, raylet, object manager, workers, agents) listens on 127.0.0.1
+    # alone; Ray's own token authentication stays as the user set it (RAY_AUTH_MODE)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2**20, _temp_dir=temp_dir, runtime_env=runtime_env,
-             _system_config=_LEAN_SYSTEM_CONFIG, _node_ip_address="127.0.0.1")
+             _system_config=_LEAN_SYSTEM_CONFIG)
     atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
 
