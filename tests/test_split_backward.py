@@ -193,3 +193,57 @@ def test_a_backward_whose_split_repeats_a_custom_function_runs_once_and_trains_t
         results.append([p.detach().clone() for s in ex.states for c in s.chunks.values() for p in c.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["1f1b", "zb-h1", "dualpipev"])
+def test_a_region_whose_backward_does_not_split_is_planned_and_run_as_one_pass(recipe, monkeypatch):
+    """``Region.backward_splits=False`` (a compiled region: one call yields input and weight
+    gradients) makes the plan run each of its BI tasks whole and split no B; the simulator
+    charges such a BI a whole backward and its BW nothing; the runtime never splits it and
+    trains exactly as the plan that splits."""
+    import dataclasses
+
+    from benchmarks._common import lm_config, lm_job
+    from piper_plugin.compiler import compile_job, compile_program
+    from piper_plugin.ir.nodes import Kind
+    from piper_plugin.runtime import compute
+    from piper_plugin.scheduler.cost import CostModel
+    from piper_plugin.scheduler.simulate import simulate
+    from reference_executor import ReferenceExecutor
+
+    job = lm_job(lm_config(dim=16, layers=4, heads=2, ffn=32, seq=8, vocab=64), recipe=recipe, pp=2,
+                 microbatches=4, batch=8)
+    splits = compile_job(job)
+    assert any(rp.split_first for rp in splits.plan.ranks) or any(
+        n.kind == Kind.BI and k not in splits.plan.ranks[r].fused
+        for r in range(2) for k, n in splits.plan.dag.nodes.items() if k in splits.plan.ranks[r].deps), \
+        "the plan splits no backward: the test shows nothing"
+    program = compile_job(job).program
+    for name, region in list(program.dag.regions.items()):
+        program.dag.regions[name] = dataclasses.replace(region, backward_splits=False)
+    whole = compile_program(program, job.schedule_fn)
+    nodes = whole.plan.dag.nodes
+    for rp in whole.plan.ranks:
+        assert not rp.split_first
+        assert {k for k in rp.deps if nodes[k].kind == Kind.BI} == set(rp.fused)
+    cost = CostModel(F=1.0, B=3.0, BI=1.0, BW=2.0)
+    durations = {(r, key): end - start for r, _, key, start, end in simulate(whole.plan, cost).timeline}
+    kinds = {nodes[key].kind for _, key in durations}
+    if Kind.BI in kinds:
+        assert {d for (_, key), d in durations.items() if nodes[key].kind == Kind.BI} == {3.0}
+        assert {d for (_, key), d in durations.items() if nodes[key].kind == Kind.BW} == {0.0}
+
+    def no_split(*args, **kwargs):
+        raise AssertionError("a region whose backward does not split was split")
+
+    results = []
+    for compiled, patch in ((splits, False), (whole, True)):
+        if patch:
+            monkeypatch.setattr(compute, "backward_input", no_split)
+        ex = ReferenceExecutor(compiled.plan, compiled.program, job.build_model(), job.loss_fn, job.optimizer_fn)
+        data = iter(job.data_fn(0))
+        for _ in range(2):
+            ex.step(*next(data))
+        results.append([p.detach().clone() for s in ex.states for c in s.chunks.values() for p in c.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

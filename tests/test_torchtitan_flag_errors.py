@@ -3,7 +3,7 @@
 Each rank checks the same flags while TorchTitan builds the trainer; the refusal is one
 ``piper: error:`` line naming the flag and the fix, exit status 2, no traceback (issue #19's bad
 input: expert parallelism on a model without MoE layers, a DualPipeV stage count that does not
-fit, an expert degree that does not divide the experts).
+fit, an expert degree that does not divide the experts; issue #22's CUDA-only flags on CPU).
 """
 from types import SimpleNamespace
 
@@ -41,7 +41,9 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_refused_with_the_d
          "--parallelism.module_fqns_per_model_part", "tok_embeddings", "layers.0", "lm_head",  # a part each
          "--training.local_batch_size", "4"],
      "Piper recipe 'dualpipev' does not fit 3 stages on pp=2"),
-], ids=["ep-without-moe", "dualpipev-odd-stages"])
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--profiler.enable_memory_snapshot"],
+     "--profiler.enable_memory_snapshot records the CUDA caching allocator's history"),
+], ids=["ep-without-moe", "dualpipev-odd-stages", "cuda-memory-snapshot-on-cpu"])
 def test_a_refused_flag_ends_the_job_in_one_line(tmp_path, nproc, flags, expected):
     from titan_fork import run_titan_forked
 

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 __all__ = ["ASSETS", "DATASET", "use_cpu_device", "sum_reductions_on_gloo", "return_freed_buffers",
-           "use_sdpa_attention", "offline_assets", "register_dataset", "apply_cpu_fixes", "on_cpu",
+           "use_sdpa_attention", "offline_assets", "register_dataset", "apply_cpu_fixes", "refuse_cuda_only_flags", "on_cpu",
            "peak_rss_bytes", "status_bytes", "reset_peak_rss", "cpu_attention", "uneven_all_to_all_on_gloo"]
 
 import piper_plugin as _piper
+from piper_plugin.adapters.torchtitan.flags import FlagError
 
 ASSETS = Path(_piper.__file__).resolve().parent / "data" / "assets"
 DATASET = "piper_corpus"
@@ -345,6 +346,15 @@ def uneven_all_to_all_on_gloo() -> None:
         return
     if not isinstance(_dist.dist, _GlooDist):
         _dist.set_dist(_GlooDist("torch.distributed"))
+
+
+def refuse_cuda_only_flags(config: Any) -> None:
+    """Flags whose feature exists only on CUDA end a CPU run before its trainer starts, naming
+    the flag (a :class:`FlagError`), instead of failing deep inside each rank."""
+    if config.profiler.enable_memory_snapshot:
+        raise FlagError("--profiler.enable_memory_snapshot records the CUDA caching allocator's history "
+                        "(torch.cuda.memory._record_memory_history) and this run is on CPU: drop the flag "
+                        "(--profiler.enable_profiling still traces CPU time), or run on a GPU")
 
 
 def apply_cpu_fixes(config: Any) -> Any:

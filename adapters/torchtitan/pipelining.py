@@ -153,10 +153,12 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
     # 3. the plan over the parts as they will run (parameter names after wrapping), with the
     # stages' memory measured in 1
-    program = build_stage_program(parts, **sizes, routed=ep > 1, expert_shards=ep)  # TorchTitan split the experts
+    compiled = bool(getattr(compile_config, "enable", False)) and "model" in compile_config.components  # all ranks
+    program = build_stage_program(parts, **sizes, routed=ep > 1, expert_shards=ep,  # TorchTitan split the experts
+                                  compiled=compiled)
     apply_stage_memory(program, memory)
-    compiled = _compile(program, schedule_fn, pp * shards, split_last_backward)
-    plan, result = compiled.plan, compiled.simulation
+    built = _compile(program, schedule_fn, pp * shards, split_last_backward)
+    plan, result = built.plan, built.simulation
     check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
     mesh = shard_mesh(parallel_dims) if zero is not None else None
     for s in local:  # DTensor faces, before TorchTitan initialises the parameters
@@ -173,6 +175,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
                 f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
     logger.info(simulated_memory_line(dist.get_rank(), plan_rank, result))
+    if compiled:
+        logger.info("Piper: --compile.enable compiles the model's blocks: each compiled backward yields input and "
+                    "weight gradients in one call, so every backward runs as one pass (the plan times each "
+                    "input-gradient task as a whole backward and its weight-gradient task as nothing)")
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,

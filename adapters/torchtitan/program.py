@@ -127,7 +127,8 @@ def _blocks(part: nn.Module, stage: int) -> tuple[tuple[str, tuple[str, ...]], .
 
 def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, microbatches: int, seq_len: int,
                         hidden_dim: int, dtype: torch.dtype, model_type: str = "",
-                        data_shards: int = 1, routed: bool = False, expert_shards: int = 1) -> StageProgram:
+                        data_shards: int = 1, routed: bool = False, expert_shards: int = 1,
+                        compiled: bool = False) -> StageProgram:
     """The single-device DAG of ``len(parts)`` stages (parts may live on the meta device).
 
     Sizes are for the batch of one plan (``microbatch_size * microbatches`` sequences per data
@@ -135,7 +136,9 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
     between stages is ``[batch, seq_len, hidden_dim]`` of ``dtype``. ``routed``: stages with
     routed-expert layers run as pieces around their token hand-offs (:mod:`.pieces`);
     ``expert_shards``: the parts hold ``1 / expert_shards`` of each layer's experts (the host
-    split them over the ep axis), recorded as the whole layer's shapes and bytes.
+    split them over the ep axis), recorded as the whole layer's shapes and bytes. ``compiled``:
+    every part runs as compiled graphs (``--compile.enable`` with ``model``), whose backward
+    yields input and weight gradients in one call, so no region's backward splits.
     """
     num = len(parts)
     batch = microbatch_size * microbatches * data_shards
@@ -158,7 +161,7 @@ def build_stage_program(parts: Sequence[nn.Module], *, microbatch_size: int, mic
             name=str(s), stage=s, index=s, tags={"PP": s}, params=tuple(info), inputs=inputs, outputs=outputs,
             value_bytes=value_bytes, activation_bytes=hidden_bytes * max(1, len(list(part.children()))),
             param_bytes=sum(b for _, b in info.values()), flops=6 * batch * seq_len * numel,
-            blocks=_blocks(part, s))
+            blocks=_blocks(part, s), backward_splits=not compiled)
         layers = routed_layers(part) if routed else []
         for name in (f"model.stages.{s}.{n}" for layer in layers for n in layer):
             shape, nbytes = info[name]
@@ -199,5 +202,5 @@ def _pieces(stage: Region, layers: list[tuple[str, ...]], s: int, info: dict, to
             name=piece_name(s, j), stage=s, index=stage.index, tags={**stage.tags, **({"EP": "experts"} if j % 2 else {})},
             params=params, inputs=inputs, outputs=outputs, value_bytes=value_bytes,
             activation_bytes=stage.activation_bytes // count, param_bytes=sum(info[n][1] for n in params),
-            flops=stage.flops // count))
+            flops=stage.flops // count, backward_splits=stage.backward_splits))
     return out

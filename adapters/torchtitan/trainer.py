@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from piper_plugin.adapters.torchtitan import cpu, resident, titan_log
+from piper_plugin.adapters.torchtitan.flags import one_line_errors
 
 __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
 
@@ -72,6 +73,8 @@ class PiperTrainer(Trainer):
         on_cpu = cpu.on_cpu()
         self._log_filter = titan_log.install(cpu=on_cpu)
         if on_cpu:
+            with one_line_errors():
+                cpu.refuse_cuda_only_flags(config)
             cpu.use_cpu_device()  # before Trainer.__init__: it calls set_device first thing
         engine = config.parallelism.pipeline_engine
         if engine in ("piper", "alternate") and config.model_spec is not None:

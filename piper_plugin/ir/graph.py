@@ -90,7 +90,10 @@ class Region:
     ``backward`` what its backward allocates on top (both for that batch). ``blocks``: for a
     region run as a module, its sequential submodules ``(path in the chunk, parameter names)``,
     in forward order, each using only its own parameters (FSDP's units): ZeRO-3 may gather
-    and reduce them one at a time inside the chunk.
+    and reduce them one at a time inside the chunk. ``backward_splits=False``: the region's
+    backward computes input and weight gradients in one call (a compiled graph, a custom
+    autograd Function over its weights), so a BI of it runs the whole backward and its BW
+    nothing; the plan lowers it so (:mod:`piper_plugin.scheduler.backward_passes`).
     """
 
     name: str
@@ -106,6 +109,7 @@ class Region:
     flops: int = 0
     backward: BackwardBytes = field(default_factory=BackwardBytes)
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    backward_splits: bool = True
 
 
 @dataclass

@@ -12,18 +12,28 @@ from piper_plugin.ir.nodes import Kind
 if TYPE_CHECKING:
     from piper_plugin.scheduler.plan import RankPlan
 
-__all__ = ["fused_backwards", "input_grads_first"]
+__all__ = ["backward_splits", "fused_backwards", "input_grads_first"]
+
+
+def backward_splits(dag: DAG, region: str) -> bool:
+    """Whether ``region``'s backward can run as BI then BW without repeating work (a DAG made
+    without regions: yes)."""
+    found = dag.regions.get(region)
+    return found is None or found.backward_splits
 
 
 def fused_backwards(dag: DAG, rank_plan: "RankPlan") -> set[str]:
-    """BI tasks whose own BW follows right after them on the same stream: splitting those buys
-    no schedule freedom, so they run as one full backward (same gradients, one pass)."""
+    """BI tasks that run as one full backward (same gradients, one pass; their BW does
+    nothing): those whose own BW follows right after them on the same stream (splitting buys no
+    schedule freedom), and every BI of a region whose backward does not split
+    (``Region.backward_splits``: a compiled graph computes both kinds of gradient at once)."""
     nodes, fused = dag.nodes, set()
     for keys in rank_plan.streams.values():
         for a, b in zip(keys, keys[1:]):
             x, y = nodes[a], nodes[b]
             if x.kind == Kind.BI and y.kind == Kind.BW and (x.region, x.microbatch) == (y.region, y.microbatch):
                 fused.add(a)
+        fused.update(k for k in keys if nodes[k].kind == Kind.BI and not backward_splits(dag, nodes[k].region))
     return fused
 
 
@@ -34,7 +44,8 @@ def input_grads_first(dag: DAG, rank_plan: "RankPlan") -> set[str]:
     region has parameters, and what waits for it on other streams is SENDs alone: the upstream
     rank's last backward waits for exactly that message while this rank has no backward left,
     so splitting this one B (BI, post the sends, BW) starts the upstream cool-down a weight
-    pass earlier. Every other B stays one pass (a split costs 20-30% more backward on a CPU).
+    pass earlier; unless the region's backward does not split (``Region.backward_splits``).
+    Every other B stays one pass (a split costs 20-30% more backward on a CPU).
     """
     nodes = dag.nodes
     stream_of = {k: s for s, keys in rank_plan.streams.items() for k in keys}
@@ -50,7 +61,7 @@ def input_grads_first(dag: DAG, rank_plan: "RankPlan") -> set[str]:
         last = backwards[-1]
         if any(nodes[k].kind == Kind.F for k in keys[keys.index(last):]):
             continue
-        if not dag.regions[nodes[last].region].params:
+        if not dag.regions[nodes[last].region].params or not backward_splits(dag, nodes[last].region):
             continue
         across = [k for k in dependents.get(last, ()) if stream_of[k] != stream_of[last]]
         if across and all(nodes[k].kind == Kind.SEND for k in across):

@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
-from piper_plugin.ir.nodes import COLLECTIVES, Kind
+from piper_plugin.ir.nodes import COLLECTIVES, Kind, format_key
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import POST_BUDGET
@@ -119,6 +119,10 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
     RECV, SEND = Kind.RECV, Kind.SEND
+    # a BI the plan runs as one full backward costs its BW too, and that BW nothing
+    whole = [{key: format_key(nodes[key].region, Kind.BW, nodes[key].microbatch, nodes[key].qual)
+              for key in rp.fused} for rp in plan.ranks]
+    emptied = [set(w.values()) for w in whole]
 
     def group(node, r: int) -> tuple[int, ...]:
         """The group of ``node``'s collective that holds rank ``r``."""
@@ -185,7 +189,12 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
                 heappush(heap, (free, next(counter), r, key))
                 continue
             start = t
-            duration = cost.compute(dag, node)
+            if key in emptied[r]:
+                duration = 0.0
+            else:
+                duration = cost.compute(dag, node)
+                if key in whole[r] and whole[r][key] in nodes:
+                    duration += cost.compute(dag, nodes[whole[r][key]])
             compute_free[r] = start + duration
             busy[r] += duration  # an UPDATE is compute too, as in a measured timeline
         else:

@@ -1,0 +1,81 @@
+"""TorchTitan's production flags under ``--parallelism.pipeline_engine=piper``: a flag matrix.
+
+Each row is a group of features a TorchTitan user turns on for real runs, through
+``torchtitan.train`` on 2 gloo ranks (llama3 debug, pp 2, 3 steps, seed 42, ranks forked by
+:mod:`titan_fork`). The Piper engine must give the losses and grad norms of TorchTitan's own
+engine within 1e-4 relative, and the artefacts the flags ask for. Rows covered elsewhere:
+selective activation checkpointing (the stock configs of ``test_torchtitan_parity``), full
+activation checkpointing, bf16 parameters and DCP checkpoints crossing engines
+(``test_torchtitan_zero``), validation (``test_torchtitan_parity``'s issue command), DCP save /
+resume (``test_torchtitan_checkpoint``); CUDA memory snapshots on CPU are refused by name
+(``test_torchtitan_flag_errors``). Interleaved1F1B with compile was checked by hand (it
+splits no backward but the last, as 1F1B).
+
+torch.compile runs with ``--compile.backend aot_eager``: AOTAutograd's graphs with donated
+buffers, the part that refuses a backward kept for a second pass, without inductor's C++ build
+(minutes on this machine); ``benchmarks.compile_ab`` times inductor. TorchTitan's own DualPipeV
+fails under compile (its split backward keeps the compiled graph), so Piper's compiled DualPipeV
+is checked against TorchTitan's DualPipeV without compile, which computes the same gradients.
+"""
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from titan_fork import run_titan_forked  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+BASE = ["--debug.seed", "42", "--training.seq_len", "32"]
+COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
+ONE_PASS = "Piper: --compile.enable compiles the model's blocks"
+
+
+def _close(a: dict, b: dict, rel=1e-4):
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= rel * max(abs(a[k]), 1e-12) for k in a)
+
+
+def _run(tmp_path, name, config, engine, extra):
+    run = run_titan_forked(config, engine, dump_folder=tmp_path / name, steps=STEPS, extra=[*BASE, *extra],
+                           timeout_s=600)
+    assert run.ok, f"{name} ({engine}) failed (exit {run.returncode}):\n{run.tail()}"
+    assert sorted(run.losses) == list(range(1, STEPS + 1)), run.tail()
+    return run
+
+
+def _same(reference, piper):
+    assert _close(reference.losses, piper.losses), (reference.losses, piper.losses)
+    assert _close(reference.grad_norms, piper.grad_norms), (reference.grad_norms, piper.grad_norms)
+
+
+# (row, config, TorchTitan engine's flags, Piper engine's flags, a line the Piper log must hold)
+ROWS = [
+    ("training-knobs", "llama3_debugmodel_pp2_1f1b",
+     # microbatches of 2, gradient accumulation over 2 local batches, clipping that bites, LR
+     # warmup then cosine decay; TensorBoard and the profiler on the Piper run
+     ["--training.local_batch_size", "8", "--training.global_batch_size", "16",
+      "--parallelism.pipeline_parallel_microbatch_size", "2", "--training.max_norm", "0.5",
+      "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_type", "cosine",
+      "--lr_scheduler.min_lr_factor", "0.1"],
+     ["--metrics.enable_tensorboard", "--profiler.enable_profiling", "--profiler.profile_freq", "2",
+      "--profiler.profiler_warmup", "0", "--profiler.profiler_active", "1"],
+     "Piper: recipe 1f1b, 2 stages on 2 ranks, 4 microbatches"),
+    ("compile-1f1b", "llama3_debugmodel_pp2_1f1b", COMPILE, [], ONE_PASS),
+    ("compile-dualpipev", "llama3_debugmodel_ce_loss_pp2_dualpipev", ["activation-checkpoint:none"],
+     COMPILE, ONE_PASS),
+]
+
+
+@pytest.mark.parametrize("row, config, both, piper_only, expect", ROWS, ids=[r[0] for r in ROWS])
+def test_flag_row_matches_torchtitan(tmp_path, row, config, both, piper_only, expect):
+    tail = [f for f in both if f.startswith("activation-checkpoint:")]  # a tyro subcommand goes last
+    both = [f for f in both if f not in tail]
+    reference = _run(tmp_path, "torch", config, "torch", [*both, *tail])
+    piper = _run(tmp_path, "piper", config, "piper", [*both, *piper_only, *tail])
+    assert expect in piper.log, piper.tail()
+    _same(reference, piper)
+    if row == "training-knobs":
+        dump = tmp_path / "piper"
+        assert any((dump / "tb").rglob("events.out.tfevents.*")), sorted(p.name for p in dump.rglob("*"))
+        assert any((dump / "profiling").rglob("*trace*.json*")), sorted(str(p) for p in dump.rglob("*"))
+        assert "gradient accumulation steps 2" in piper.log, piper.tail()
