@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
 from piper_plugin.ir.nodes import COLLECTIVES, Kind, format_key
+from piper_plugin.scheduler.backward_passes import backward_splits
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
 from piper_plugin.scheduler.posting import POST_BUDGET
@@ -119,9 +120,10 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
     RECV, SEND = Kind.RECV, Kind.SEND
-    # a BI the plan runs as one full backward costs its BW too, and that BW nothing
+    # a BI of a region whose backward does not split runs the whole backward: it costs its BW
+    # too, and that BW nothing (a BI fused with the BW right after it keeps the two costs)
     whole = [{key: format_key(nodes[key].region, Kind.BW, nodes[key].microbatch, nodes[key].qual)
-              for key in rp.fused} for rp in plan.ranks]
+              for key in rp.fused if not backward_splits(dag, nodes[key].region)} for rp in plan.ranks]
     emptied = [set(w.values()) for w in whole]
 
     def group(node, r: int) -> tuple[int, ...]:
