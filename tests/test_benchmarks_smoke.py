@@ -219,3 +219,34 @@ def test_megatron_ab_smoke(tmp_path, capsys):
     assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].startswith("**") for r in rows)
     for row in rows[:2]:  # same layout, same seed: both engines' first step sees the same model and batch
         assert row[5].split(" / ")[0] == row[6].split(" / ")[0]
+
+
+def test_compile_ab_pairs_each_rounds_jobs_and_reports_both_engines(tmp_path, monkeypatch, capsys):
+    """compile_ab over torchtitan_ab's jobs (stood in for here: the real jobs are what
+    test_torchtitan_ab_smoke runs): per round an eager and a compiled job, the first of the pair
+    alternating; compiled / eager per engine from the same round's two jobs."""
+    from benchmarks import compile_ab, torchtitan_ab
+
+    calls = []
+
+    def fake_job(argv):
+        flags = next(a.split("=", 1)[1] for a in argv if a.startswith("--extra="))
+        calls.append(flags)
+        compiled = "--compile.enable" in flags
+        rate = {"torch": 200.0 if compiled else 100.0, "piper": 330.0 if compiled else 110.0}
+        return {"1F1B": {"torch_tps": rate["torch"], "piper_tps": rate["piper"], "loss": 4.0,
+                         "run_ratio": rate["piper"] / rate["torch"]}}
+
+    monkeypatch.setattr(torchtitan_ab, "main", fake_job)
+    out = tmp_path / "compile.md"
+    summary = compile_ab.main(["--schedules", "1F1B", "--rounds", "2", "--backend", "aot_eager", "--out", str(out)])
+    assert calls == ["", "--compile.enable --compile.backend aot_eager"] * 1 + [
+        "--compile.enable --compile.backend aot_eager", ""]
+    assert summary["1F1B"]["torch_speedup"] == pytest.approx(2.0)
+    assert summary["1F1B"]["piper_speedup"] == pytest.approx(3.0)
+    assert summary["1F1B"]["compiled"]["ratio"] == pytest.approx(1.65)
+    text = out.read_text()
+    assert capsys.readouterr().out.startswith("python -m benchmarks.compile_ab ")
+    rows, speed = _tables(text)
+    assert [(r[0], r[1]) for r in rows] == [("1F1B", "eager"), ("1F1B", "compiled")]
+    assert speed == [["1F1B", "**2.000**", "**3.000**"]]
