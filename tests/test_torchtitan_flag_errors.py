@@ -47,7 +47,10 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_refused_with_the_d
     (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
          "--piper.zero", "3", "--compile.enable", "--compile.backend", "aot_eager"],
      "--compile.enable with Piper's ZeRO-3 is not supported yet"),
-], ids=["ep-without-moe", "dualpipev-odd-stages", "cuda-memory-snapshot-on-cpu", "compile-with-zero3"])
+    (2, ["--config", "llama3_debugmodel_float8_pp2_1f1b"],  # the last --config counts
+     "TorchTitan's config llama3_debugmodel_float8 cannot be built here: torchao is not installed"),
+], ids=["ep-without-moe", "dualpipev-odd-stages", "cuda-memory-snapshot-on-cpu", "compile-with-zero3",
+        "float8-without-torchao"])
 def test_a_refused_flag_ends_the_job_in_one_line(tmp_path, nproc, flags, expected):
     from titan_fork import run_titan_forked
 

@@ -22,6 +22,7 @@ from piper_plugin.adapters.torchtitan.config_names import drop_in as _parse_drop
 from piper_plugin.adapters.torchtitan.config_names import ep_drop_in as _parse_ep_drop_in
 from piper_plugin.adapters.torchtitan.config_names import MODELS as _MODELS
 from piper_plugin.adapters.torchtitan.config_names import SCHEDULES
+from piper_plugin.adapters.torchtitan.flags import FlagError, one_line_errors
 
 if TYPE_CHECKING:
     from piper_plugin.adapters.torchtitan.trainer import PiperTrainer
@@ -97,11 +98,27 @@ def _stock_config_fn(name: str) -> Callable[[], object]:
                          f"of {', '.join(_MODELS)}){why}")
 
 
+_LOW_PRECISION = ("float8", "mx", "nvfp4")
+
+
+def _build(name: str) -> object:
+    """The stock config ``name`` built; a config that cannot be built on this machine (float8's
+    converter without torchao, say) ends the rank in one ``piper: error:`` line naming it."""
+    with one_line_errors():
+        try:
+            return _stock_config_fn(name)()
+        except ImportError as exc:
+            gpu = (" (float8 / MX / NVFP4 training needs torchao and a CUDA GPU; on CPU use the config "
+                   "without the converter, e.g. " + name.split("_float8")[0].split("_mx")[0].split("_nvfp4")[0] + ")"
+                   if any(k in name.lower() for k in _LOW_PRECISION) else "")
+            raise FlagError(f"TorchTitan's config {name} cannot be built here: {exc}{gpu}") from None
+
+
 def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
-    stock = _stock_config_fn(name)
+    _stock_config_fn(name)  # fail now, naming a missing stock config
 
     def config_fn() -> PiperTrainer.Config:
-        return _to_piper_config(stock())
+        return _to_piper_config(_build(name))
 
     config_fn.__name__ = config_fn.__qualname__ = name
     config_fn.__doc__ = f"TorchTitan's {name}, runnable with --parallelism.pipeline_engine piper."
@@ -144,7 +161,7 @@ def _ep_drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTraine
 
 
 def _pp2(base: str, schedule: str, engine: str = "piper", zero: int | None = None, **training) -> PiperTrainer.Config:
-    config = _to_piper_config(_stock_config_fn(base)())
+    config = _to_piper_config(_build(base))
     if getattr(config.model_spec.model, "enable_weight_tying", False):
         raise ValueError(f"{base} ties tok_embeddings and lm_head (enable_weight_tying), which TorchTitan rejects "
                          f"under pipeline parallelism for either engine; use an untied config (e.g. the model's "
