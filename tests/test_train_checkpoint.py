@@ -82,3 +82,48 @@ def test_resume_under_other_strategies_continues_the_same_loss_curve(tmp_path):
     assert sorted(resumed) == [2, 3]
     for step, loss in resumed.items():
         assert loss == pytest.approx(whole[step], rel=1e-5, abs=0), step
+
+
+_DIE_IN_SAVE = """
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+_save = dcp.save
+
+
+def save(state_dict, *, checkpoint_id=None, **kwargs):
+    if Path(str(checkpoint_id)).name == ".step-4.partial" and dist.get_rank() == 1:
+        os._exit(9)  # as under SIGKILL: no exception, no clean-up
+    return _save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+
+dcp.save = save
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_a_checkpoint_is_written_leaves_it_partial_and_the_job_resumes_before_it(tmp_path):
+    """Rank 1 of 2 dies (os._exit, as under SIGKILL) as the step-4 checkpoint's write begins,
+    while rank 0 writes its part: the job fails naming the rank, step-4 stays a partial directory
+    without the completion mark, and ``--resume`` of the folder continues from step-2 with
+    exactly the uninterrupted run's losses. (The fault comes from a ``sitecustomize`` on the
+    job's path, so every process of the job, fork server included, has it.)"""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_DIE_IN_SAVE)
+    ckpt = tmp_path / "ckpt"
+    repo = str(Path(__file__).resolve().parents[1])
+    job = subprocess.run([sys.executable, "-m", "piper_plugin.cli", "train", *JOB, "--steps", "6", "--checkpoint",
+                          str(ckpt), "--checkpoint-every", "2", "--timeout", "20"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), repo])})
+    assert job.returncode != 0, "the job went on without rank 1"
+    assert "rank 1" in job.stderr, job.stderr[-2000:]
+    assert (ckpt / "step-2" / "piper.json").is_file() and not (ckpt / "step-4").exists()
+    assert (ckpt / ".step-4.partial").is_dir() and not (ckpt / ".step-4.partial" / "piper.json").exists()
+    resumed = train(tmp_path, "resumed", "--resume", str(ckpt), "--steps", "6")
+    assert sorted(resumed) == [2, 3, 4, 5]
+    whole = train(tmp_path, "whole", "--steps", "6")
+    assert [resumed[s] for s in sorted(resumed)] == [whole[s] for s in sorted(resumed)]
