@@ -182,3 +182,63 @@ def test_a_default_run_listens_on_the_loopback_only(tmp_path):
     finally:
         os.killpg(job.pid, 9)
         job.wait(30)
+
+
+@pytest.mark.slow
+def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_line(tmp_path):
+    """A cluster started as the docs say (``RAY_AUTH_MODE=token ray start --head`` with a
+    generated token, here on the loopback): ``piper train --address`` with the token trains on
+    it; with a wrong token the job ends in seconds with one ``piper: error:`` line naming the
+    fix, before any rank starts; joining without a token is refused the same way."""
+    import os
+    import secrets
+    import sys
+
+    from piper_plugin.runtime.launch.processes import free_port
+
+    import shutil
+    import tempfile
+
+    token, port = secrets.token_hex(32), free_port()
+    ray_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    cluster_env = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                             "--temp-dir", ray_dir], env=cluster_env, stdout=subprocess.DEVNULL,
+                            stderr=(tmp_path / "head.log").open("w"), start_new_session=True)
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:  # the GCS port answers
+            try:
+                import socket
+
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+                time.sleep(0.5)
+        train = [sys.executable, "-m", "piper_plugin.cli", "train", "--steps", "2", "--address", address]
+        start = time.monotonic()
+        good = subprocess.run(train, env={**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
+                              capture_output=True, text=True, timeout=180)
+        assert good.returncode == 0, good.stderr[-3000:]
+        assert "step 2/2" in good.stdout and "without a token" not in good.stderr
+        print(f"joined and trained: {time.monotonic() - start:.1f} s")
+        for name, env in {"wrong": {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                          "missing": {**clean, "HOME": str(tmp_path)}}.items():  # no token file there either
+            start = time.monotonic()
+            bad = subprocess.run(train, env=env, capture_output=True, text=True, timeout=120)
+            errors = [line for line in bad.stderr.splitlines() if line.startswith("piper: error:")]
+            assert bad.returncode == 2 and len(errors) == 1, (name, bad.stderr[-3000:])
+            assert f"Ray address {address}: the cluster there did not accept this driver" in errors[0], name
+            assert "RAY_AUTH_MODE=token" in errors[0] and "RAY_AUTH_TOKEN" in errors[0], errors[0]
+            assert "step 1/" not in bad.stdout, name  # no rank trained
+            print(name, f"{time.monotonic() - start:.1f} s")
+            assert time.monotonic() - start < 60, name
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, 9)  # the head and every process it started (a graceful stop drains for ~30 s)
+        head.wait(60)
+        shutil.rmtree(ray_dir, ignore_errors=True)

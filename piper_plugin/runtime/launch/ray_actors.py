@@ -46,6 +46,8 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
         os.environ.setdefault(key, value)
     if address:
         _check_reachable(address)
+        # the port answered, so its GCS is up: a refused driver is told in 5 s (Ray retries ~20 by default)
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "5")
     elif "ray" not in sys.modules:  # read as ray is imported: a one-machine cluster keeps to the loopback
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -53,7 +55,7 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+        _join(ray, address, runtime_env)
         return False
     temp_dir = tempfile.mkdtemp(prefix="piper_ray_", dir="/tmp")
     # the node's address is the loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 above): every server
@@ -64,6 +66,31 @@ def start_ray(address: str | None, num_cpus: int, runtime_env: dict | None = Non
              _system_config=_LEAN_SYSTEM_CONFIG)
     atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     return True
+
+
+_TOKEN_FIX = ("a cluster started with `ray get-auth-token --generate` then `RAY_AUTH_MODE=token ray start --head` "
+              "is joined with RAY_AUTH_MODE=token here and its token in RAY_AUTH_TOKEN (or ~/.ray/auth_token, "
+              "or the file RAY_AUTH_TOKEN_PATH names)")
+_warned_unauthenticated: set[str] = set()
+
+
+def _join(ray, address: str, runtime_env: dict | None) -> None:
+    """Join the cluster at ``address`` (its port answers). A refused driver (a missing or wrong
+    token) fails in seconds with :class:`ConnectionError` naming the fix; joining without a
+    token is said once per address: that cluster runs code for anyone who reaches it."""
+    try:
+        ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
+    except Exception as exc:  # noqa: BLE001 - Ray's AuthenticationError, or ConnectionError around the refusal
+        cause = f"{exc} {exc.__cause__ or ''}"
+        if type(exc).__name__ != "AuthenticationError" and "Unauthenticated" not in cause and not isinstance(
+                exc, ConnectionError):
+            raise
+        raise ConnectionError(f"Ray address {address}: the cluster there did not accept this driver "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); {_TOKEN_FIX}") from None
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" and address not in _warned_unauthenticated:
+        _warned_unauthenticated.add(address)
+        print(f"piper: warning: the Ray cluster at {address} accepted this driver without a token: anyone who "
+              f"can reach its ports can run code on it; {_TOKEN_FIX}", file=sys.stderr, flush=True)
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -78,9 +105,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
         raise ConnectionError(f"Ray address {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); "
-                              "start one with `ray get-auth-token --generate` then `RAY_AUTH_MODE=token ray start --head` "
-                              "(and RAY_AUTH_MODE=token here) and pass the address it "
-                              "prints") from None
+                              f"start one and pass the address it prints: {_TOKEN_FIX}") from None
 
 
 class RankActor:
