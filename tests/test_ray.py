@@ -226,10 +226,13 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
         assert good.returncode == 0, good.stderr[-3000:]
         assert "step 2/2" in good.stdout and "without a token" not in good.stderr
         print(f"joined and trained: {time.monotonic() - start:.1f} s")
-        for name, env in {"wrong": {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
-                          "missing": {**clean, "HOME": str(tmp_path)}}.items():  # no token file there either
-            start = time.monotonic()
-            bad = subprocess.run(train, env=env, capture_output=True, text=True, timeout=120)
+        start = time.monotonic()  # both refused drivers at once: each mostly waits for Ray's retries
+        refused = {name: subprocess.Popen(train, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for name, env in {"wrong": {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                                     "missing": {**clean, "HOME": str(tmp_path)}}.items()}  # no token file there
+        for name, job in refused.items():
+            out, err = job.communicate(timeout=120)
+            bad = subprocess.CompletedProcess(train, job.returncode, out, err)
             errors = [line for line in bad.stderr.splitlines() if line.startswith("piper: error:")]
             assert bad.returncode == 2 and len(errors) == 1, (name, bad.stderr[-3000:])
             assert f"Ray address {address}: the cluster there did not accept this driver" in errors[0], name
