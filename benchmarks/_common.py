@@ -450,11 +450,12 @@ def code_version() -> str:
     return f"code at {commit}"
 
 
-def machine_line() -> str:
-    """Software, cores, load (other processes share the cores) and the code measured."""
+def machine_line(ranks: str = "forked from a fork server") -> str:
+    """Software, cores, load (other processes share the cores), how the ranks started (``ranks``)
+    and the code measured."""
     import platform
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores "
-            f"({platform.machine()}), load average {load} when the run ended; gloo, ranks forked from a fork "
-            f"server, 1 torch thread each; {code_version()}")
+            f"({platform.machine()}), load average {load} when the run ended; gloo, ranks {ranks}, "
+            f"1 torch thread each; {code_version()}")

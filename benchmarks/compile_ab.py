@@ -115,7 +115,7 @@ def _report(args, parser, flags, jobs, summary) -> str:
         "",
         "Compiled / eager tokens/s of each engine (the two jobs of a round, median over rounds):", "",
         markdown_table(["schedule", "torch compiled / eager", "piper compiled / eager"], speed),
-        "", machine_line(), "",
+        "", machine_line("started by torchrun"), "",
     ])
 
 

@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     text = "\n".join([
         "# Soak: memory and step time over a long run", "",
         f"Command: `{command_line('soak', args, parser)}`", "",
-        f"Machine: {machine_line()} ({version} when the run started).", "",
+        f"Machine: {machine_line(f'started by the {args.launcher} launcher')} ({version} when the run started).", "",
         f"Job: toy LM (dim {args.dim}, {args.layers} layers, seq {args.seq}, vocab 512), batch {args.batch} in "
         f"{args.microbatches} microbatches, 1F1B on pp=2 x dp=2 with ZeRO-3, AdamW, {args.launcher} launcher, "
         f"4 ranks on this machine's cores. Each row: the minute, steps finished by then, the median step time "

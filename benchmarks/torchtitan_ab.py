@@ -223,7 +223,7 @@ def _report(args, parser, extra, stats, summary) -> str:
         "",
         markdown_table(["schedule", "piper / torch tokens/s", "median of per-run ratios (each run)", "cycle ratio", "piper - torch peak MiB (rank 0 / 1)",
                         f"loss at step {args.steps} (run 0)", "median wall s / run", "other load (cores)"], ratios),
-        "", machine_line(), "",
+        "", machine_line("started by torchrun"), "",
     ])
 
 
