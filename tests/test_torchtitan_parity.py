@@ -63,12 +63,12 @@ def test_llama3_1f1b_piper_matches_torch_for_10_steps(tmp_path):
 # (model config, ranks, TorchTitan schedule, local batch, the Piper log line it must print).
 # Interleaved1F1B places 2 stages per rank (loop layout); Piper's interleaved recipe needs
 # microbatches % ranks == 0, so 4 ranks run 4 microbatches. Small sequences keep it quick.
-# llama3 runs every (ranks, schedule) pair (2 ranks x 1F1B above); deepseek_v3 the 4-rank
-# interleaved one here, 1F1B with ZeRO-3 in test_torchtitan_zero and with experts split over
-# ranks in test_torchtitan_ep (every schedule: benchmarks.zero_parity, benchmarks.ep_parity).
+# llama3 runs 2 ranks x 1F1B (above) and Interleaved1F1B on 2 and 4 ranks (its 4-rank 1F1B cell
+# left the suite for time at 299b6fe); deepseek_v3 the 4-rank interleaved one here and with
+# experts split over ranks in test_torchtitan_ep (every schedule and ZeRO level:
+# benchmarks.zero_parity, benchmarks.ep_parity).
 COMBOS = [
     ("llama3_debugmodel_pp2_1f1b", 2, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 4 stages on 2 ranks, 4 microbatches"),
-    ("llama3_debugmodel_pp2_1f1b", 4, "1F1B", 4, "recipe 1f1b, 4 stages on 4 ranks, 4 microbatches"),
     ("llama3_debugmodel_pp2_1f1b", 4, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 8 stages on 4 ranks, 4 microbatches"),
     ("deepseek_v3_debugmodel_pp2_1f1b", 4, "Interleaved1F1B", 4, "recipe interleaved-1f1b, 8 stages on 4 ranks, 4 microbatches"),
 ]
