@@ -192,6 +192,7 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
     fix, before any rank starts; joining without a token is refused the same way."""
     import os
     import secrets
+    import socket
     import sys
 
     from piper_plugin.runtime.launch.processes import free_port
@@ -212,8 +213,6 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
         deadline = time.monotonic() + 60
         while True:  # the GCS port answers
             try:
-                import socket
-
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:

@@ -16,6 +16,7 @@ TorchTitan (:mod:`.config_names` checks a name before any rank starts).
 from __future__ import annotations
 
 import importlib
+import re
 from typing import TYPE_CHECKING, Callable
 
 from piper_plugin.adapters.torchtitan.config_names import drop_in as _parse_drop_in
@@ -98,7 +99,7 @@ def _stock_config_fn(name: str) -> Callable[[], object]:
                          f"of {', '.join(_MODELS)}){why}")
 
 
-_LOW_PRECISION = ("float8", "mx", "nvfp4")
+_LOW_PRECISION = re.compile(r"_(?:float8|mx|nvfp4)")  # TorchTitan's low-precision config suffixes
 
 
 def _build(name: str) -> object:
@@ -108,9 +109,9 @@ def _build(name: str) -> object:
         try:
             return _stock_config_fn(name)()
         except ImportError as exc:
-            gpu = (" (float8 / MX / NVFP4 training needs torchao and a CUDA GPU; on CPU use the config "
-                   "without the converter, e.g. " + name.split("_float8")[0].split("_mx")[0].split("_nvfp4")[0] + ")"
-                   if any(k in name.lower() for k in _LOW_PRECISION) else "")
+            plain = _LOW_PRECISION.split(name)[0]
+            gpu = (f" (float8 / MX / NVFP4 training needs torchao and a CUDA GPU; on CPU use the config without "
+                   f"the converter, e.g. {plain})" if plain != name else "")
             raise FlagError(f"TorchTitan's config {name} cannot be built here: {exc}{gpu}") from None
 
 

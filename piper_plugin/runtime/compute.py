@@ -152,8 +152,6 @@ def _split_pays(state: RankState, node: Node) -> bool:
     """Whether B's graph splits without repeating work (:func:`weight_pass_repeats_work`):
     decided on the region's first backward (which nodes sit on the frontier is the region's code)."""
     pays = state.split_pays.get(node.region)
-    if pays is None and not state.dag.regions[node.region].backward_splits:
-        pays = state.split_pays[node.region] = False  # the plan says so (a compiled region)
     if pays is None:
         leaves, outputs = state.saved[(node.region, node.microbatch)]
         outs = [t for t in outputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]

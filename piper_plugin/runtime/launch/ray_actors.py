@@ -80,11 +80,7 @@ def _join(ray, address: str, runtime_env: dict | None) -> None:
     token is said once per address: that cluster runs code for anyone who reaches it."""
     try:
         ray.init(address=address, log_to_driver=False, runtime_env=runtime_env)
-    except Exception as exc:  # noqa: BLE001 - Ray's AuthenticationError, or ConnectionError around the refusal
-        cause = f"{exc} {exc.__cause__ or ''}"
-        if type(exc).__name__ != "AuthenticationError" and "Unauthenticated" not in cause and not isinstance(
-                exc, ConnectionError):
-            raise
+    except (ConnectionError, ray.exceptions.AuthenticationError) as exc:  # no token, or one the GCS refused
         raise ConnectionError(f"Ray address {address}: the cluster there did not accept this driver "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); {_TOKEN_FIX}") from None
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" and address not in _warned_unauthenticated:
