@@ -128,3 +128,21 @@ def test_skipping_refuses_a_plan_whose_update_comes_before_a_loss():
     keys.remove(update)
     keys.insert(0, update)  # an order no recipe makes: the update first
     assert update_before_loss(plan, program.loss_region)[0] == update
+
+
+def test_the_root_cause_of_timed_out_waits_is_the_wait_on_the_silent_rank():
+    """Ranks time out at their own pace: rank 0 (in a collective with rank 1) may report before
+    rank 1 (waiting for a message from the stalled rank 3). The job names rank 1's wait, whose
+    rank said nothing; a rank's own error or one stuck computing beats any wait."""
+    from piper_plugin.runtime.launch.processes import root_cause
+
+    collective = (0, "rank 0: task 0ALL_REDUCE@b0 (a collective with ranks [0, 1]) on stream 'dp' "
+                     "waited more than 3s: TimeoutError()", "")
+    on_three = (1, "TimeoutError('waited more than 3s for 1RECV@s1 (a message from rank 3); streams: ...')", "")
+    assert root_cause([collective, on_three]) == on_three
+    assert root_cause([collective]) == collective  # rank 1 said nothing yet: the best lead so far
+    own = (2, "ValueError('boom')", "Traceback ...")
+    assert root_cause([collective, on_three, own]) == own
+    busy = (3, "TimeoutError('waited more than 3s: rank 3 still computing 3F@m1')", "")
+    assert root_cause([collective, busy]) == busy
+    assert root_cause([]) is None

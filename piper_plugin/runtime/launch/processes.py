@@ -14,6 +14,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import socket
 import tempfile
@@ -27,7 +28,7 @@ import torch
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.streams import TaskFailed
 
-__all__ = ["WorkerFailed", "SECONDARY_ERRORS", "headline", "run_forked", "free_port", "local_rendezvous", "stop"]
+__all__ = ["WorkerFailed", "SECONDARY_ERRORS", "headline", "run_forked", "root_cause", "free_port", "local_rendezvous", "stop"]
 
 
 class WorkerFailed(RuntimeError):
@@ -112,26 +113,59 @@ SECONDARY_ERRORS = ("Connection reset", "Connection closed", "waited more than",
                     "Timed out")
 
 
-def _raise_first_cause(procs, finished, errors, out, grace_s: float = 1.0) -> None:
+def waits_on(text: str) -> set[int]:
+    """The ranks a timed-out wait names (``(a message from rank 3)``, ``(rank 3)``,
+    ``(a collective with ranks [0, 1])``): whom the waiting rank blamed."""
+    ranks = {int(r) for r in re.findall(r"\(a message from rank (\d+)\)|\(rank (\d+)\)", text) for r in r if r}
+    for group in re.findall(r"a collective with ranks \[([\d, ]+)\]", text):
+        ranks.update(int(r) for r in group.split(","))
+    return ranks
+
+
+def root_cause(errors: list[tuple[int, str, str]]) -> tuple[int, str, str] | None:
+    """Of ``(rank, headline, details)`` reports: a rank's own error (not a consequence of a
+    peer's), else one stuck inside its own compute, else a wait that names a rank which reported
+    nothing (the silent one is the likely stall; a wait on a rank that timed out itself is a
+    link of the chain), else the first."""
+    if not errors:
+        return None
+    reported = {r for r, _, _ in errors}
+    primary = [e for e in errors if not any(s in e[1] + e[2] for s in SECONDARY_ERRORS)]
+    busy = [e for e in errors if "computing" in e[1]]
+    on_silent = [e for e in errors if waits_on(e[1]) - reported - {e[0]}]
+    return (primary or busy or on_silent or errors)[0]
+
+
+def _raise_first_cause(procs, finished, errors, out, patience_s: float, grace_s: float = 1.0) -> None:
     """After the first sign of failure, wait briefly and blame the root cause: a rank that
-    died, else a rank whose own error is not a consequence of a peer's failure."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    died, else :func:`root_cause`. While every report is a timed-out wait and some live rank
+    has said nothing, wait up to ``patience_s`` more: ranks time out at their own pace, and the
+    report that ends the chain (a wait on the silent rank) may come last."""
+    start = time.monotonic()
+    while True:
         try:
             kind, rank, payload = out.get(timeout=0.05)
             if kind == "error":
                 errors.append((rank, *payload))
         except queue.Empty:
             pass
-    dead = [r for r, p in enumerate(procs) if r not in finished and not p.is_alive() and p.exitcode != 0]
-    reported = {r for r, _, _ in errors}
-    for r in dead:
-        if r not in reported:
-            raise WorkerFailed(r, f"process died with exit code {procs[r].exitcode}")
-    primary = [e for e in errors if not any(s in e[1] + e[2] for s in SECONDARY_ERRORS)]
-    busy = [e for e in errors if "computing" in e[1]]  # a rank stuck inside its own compute
-    if primary or busy or errors:
-        raise WorkerFailed(*(primary or busy or errors)[0])
+        waited = time.monotonic() - start
+        if waited < grace_s:
+            continue
+        dead = [r for r, p in enumerate(procs) if r not in finished and not p.is_alive() and p.exitcode != 0]
+        reported = {r for r, _, _ in errors}
+        for r in dead:
+            if r not in reported:
+                raise WorkerFailed(r, f"process died with exit code {procs[r].exitcode}")
+        cause = root_cause(errors)
+        chained = cause is not None and any(s in cause[1] + cause[2] for s in SECONDARY_ERRORS) \
+            and "computing" not in cause[1]
+        quiet = [r for r, p in enumerate(procs) if r not in reported and r not in finished and p.is_alive()]
+        if cause is not None and (not chained or waited >= grace_s + patience_s or not quiet
+                                  or len(quiet) == 1 and waits_on(cause[1]) - reported - {cause[0]}):
+            raise WorkerFailed(*cause)
+        if cause is None and waited >= grace_s:
+            return
 
 
 def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | None = None,
@@ -156,7 +190,7 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
                 kind, rank, payload = out.get(timeout=0.2)
             except queue.Empty:
                 if any(r not in finished and not p.is_alive() for r, p in enumerate(procs)) or errors:
-                    _raise_first_cause(procs, finished, errors, out)
+                    _raise_first_cause(procs, finished, errors, out, min(job.timeout_s, 10.0))
                 if time.monotonic() - last_progress > patience:
                     stuck = [r for r in range(len(procs)) if r not in finished]
                     raise WorkerFailed(stuck[0], f"no progress for {patience:.0f}s (ranks {stuck} stalled)")
@@ -164,7 +198,7 @@ def run_forked(job: Job, program, plan, *, on_metrics: Callable[[dict], None] | 
             last_progress = time.monotonic()
             if kind == "error":
                 errors.append((rank, *payload))
-                _raise_first_cause(procs, finished, errors, out)
+                _raise_first_cause(procs, finished, errors, out, min(job.timeout_s, 10.0))
             if kind == "metrics" and on_metrics:
                 on_metrics(payload)
             elif kind == "result":

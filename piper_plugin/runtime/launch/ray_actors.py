@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from piper_plugin.runtime.job import Job
 from piper_plugin.runtime.launch.processes import (
-    SECONDARY_ERRORS, WorkerFailed, free_port, headline, local_rendezvous,
+    WorkerFailed, free_port, headline, local_rendezvous, root_cause,
 )
 
 __all__ = ["run_ray", "start_ray"]
@@ -185,10 +185,12 @@ def _more_failures(pending: dict, grace_s: float = 1.0) -> list[WorkerFailed]:
 
 
 def _root_cause(failures: list[WorkerFailed]) -> WorkerFailed:
-    """A rank that died, else one whose error is not a consequence of a peer's, else the first."""
+    """A rank that died, else :func:`~piper_plugin.runtime.launch.processes.root_cause`."""
     died = [f for f in failures if "actor died" in str(f)]
-    primary = [f for f in failures if not any(s in str(f) for s in SECONDARY_ERRORS)]
-    return (died or primary or failures)[0]
+    if died:
+        return died[0]
+    reports = [(f.rank, str(f).split("\n")[0], f.details) for f in failures]
+    return failures[reports.index(root_cause(reports))]
 
 
 def _statuses(actors: list, ranks: list[int], timeout_s: float = 2.0) -> str:
