@@ -98,3 +98,17 @@ def test_what_a_forward_keeps_counts_activation_checkpointing(ac, block):
     # the last stage's block, the loss's difference (its square's input) and the scalar loss
     assert fake["1"].saved == real["1"].saved == 4 * (block + B * D + 1)
 
+
+
+def test_ranks_can_share_the_measuring_one_region_each():
+    """``measure=``: a region measured alone (the ones before it run forward only, to feed it)
+    has the figures it has when every region is measured; the others are absent."""
+    torch.manual_seed(0)
+    model = Stages("none")
+    program = _program(model)
+    x, y = torch.randn(B, D), torch.randn(B, D)
+    every = region_memory(program, model, _loss, (x, y))
+    for name in ("0", "1"):
+        alone = region_memory(program, model, _loss, (x, y), measure={name})
+        assert alone.keys() == {name}
+        assert alone[name] == every[name]

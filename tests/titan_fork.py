@@ -9,6 +9,10 @@ directory, ``sys.argv``), calls ``torchtitan.train.main()`` as ``python -m torch
 does, and writes its stdout and stderr to the job's log. As under torchrun, one failing rank ends
 the others. The zygote never runs a tensor op nor starts a Python thread, so forking it is safe.
 
+TorchTitan's rank 0 sleeps 2 s after its last step "for other ranks to complete" (torchrun would
+otherwise stop them as it exits); here the zygote waits for every rank itself, so the forked
+ranks skip that sleep (:func:`_without_exit_sleep`): 2 s less per job, nothing else changes.
+
 The issue's own command (``test_issue_command_runs_stock_config_with_the_flag``), ``piper launch``
 and the A/B benchmark still start real torchrun jobs.
 """
@@ -94,6 +98,19 @@ def _run_job(job: dict) -> int:
     return status
 
 
+def _without_exit_sleep() -> None:
+    """``torchtitan.trainer`` sees a ``time`` module whose ``sleep`` returns at once (its only
+    sleep is rank 0's wait after the last step); every other name is the real module's."""
+    import types
+
+    import torchtitan.trainer as trainer
+
+    shim = types.ModuleType("time")
+    shim.__dict__.update(vars(time))
+    shim.sleep = lambda seconds: None
+    trainer.time = shim
+
+
 def zygote_main() -> None:
     """Import TorchTitan and the adapter, then serve one JSON job per stdin line (answer: a line)."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -102,6 +119,7 @@ def zygote_main() -> None:
 
     torch.set_num_threads(1)
     import torchtitan.train  # noqa: F401
+    _without_exit_sleep()
     import piper_plugin.adapters.torchtitan.config_registry  # noqa: F401
     import piper_plugin.adapters.torchtitan.pipelining  # noqa: F401
 

@@ -4,7 +4,8 @@ A stage program's regions are modules, not traced graphs, so the compiler has on
 of their activations. Here every stage runs on fake tensors of the plan's batch
 (:func:`piper_plugin.region_memory`: no memory is used, no parameter is read), as a copy of the
 stage before TorchTitan's SPMD wrapping with TorchTitan's activation checkpointing applied, as
-it will run. Every rank measures every stage the same way, so all compile the same plan.
+it will run. The ranks share the work (region ``i`` is measured by rank ``i`` modulo the world
+size) and exchange the figures, so all compile the same plan from the same numbers.
 Invariant: where a stage cannot be measured (an op fake tensors cannot run) every rank keeps
 the estimate and the log says why. torch.compile is not applied to the copies: a compiled
 stage is measured as it runs eagerly.
@@ -17,6 +18,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.tools.logging import logger
 
@@ -40,16 +42,28 @@ def measure_stage_memory(program: StageProgram, parts: Sequence[nn.Module], loss
     batch = program.dag.batch_size  # the plan's: the simulator scales it to a microbatch
     tokens = torch.zeros(batch, seq_len, dtype=torch.long)
     inputs = (tokens, {}, tokens.clone(), {"global_valid_tokens": torch.tensor(float(batch * seq_len))})
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
+    mine = {name for i, name in enumerate(program.regions) if i % world == rank}
     try:
-        measured = region_memory(program, LocalStages(dict(enumerate(copies))), loss_fn, inputs, split=split)
+        measured = region_memory(program, LocalStages(dict(enumerate(copies))), loss_fn, inputs, split=split,
+                                 measure=mine)
+        found: Any = {name: (m.saved, m.backward) for name, m in measured.items()}
     except Exception as exc:  # noqa: BLE001 - an op fake tensors cannot run: keep the estimate
         frames = traceback.extract_tb(exc.__traceback__)  # the innermost outside torch itself
         where = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), frames[-1])
-        logger.warning(f"Piper: stage memory not measured ({type(exc).__name__} in {where.name} "
-                       f"({where.filename}:{where.lineno}): {exc}); the simulator estimates activations "
-                       f"from the hidden state")
+        found = f"{type(exc).__name__} in {where.name} ({where.filename}:{where.lineno}): {exc}"
+    everyone = [found]
+    if shared:  # every rank gets every rank's figures (or its reason), in rank order
+        everyone = [None] * world
+        dist.all_gather_object(everyone, found)
+    failed = [(r, why) for r, why in enumerate(everyone) if isinstance(why, str)]
+    if failed:
+        r, why = failed[0]
+        logger.warning(f"Piper: stage memory not measured (on rank {r}: {why}); the simulator estimates "
+                       f"activations from the hidden state")
         return {}
-    return {name: (m.saved, m.backward) for name, m in measured.items()}
+    return {name: figures for part in everyone for name, figures in part.items()}
 
 
 def apply_stage_memory(program: StageProgram, measured: dict[str, Any]) -> None:

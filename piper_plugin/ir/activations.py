@@ -21,7 +21,7 @@ import contextlib
 import copy
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Container, Sequence
 
 import torch
 import torch.nn as nn
@@ -66,13 +66,15 @@ def saved_activation_bytes(program, model: nn.Module, loss_fn: Callable, inputs:
 
 
 def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any],
-                  fake: bool = True, *, split: bool = True) -> dict[str, RegionMemory]:
+                  fake: bool = True, *, split: bool = True,
+                  measure: Container[str] | None = None) -> dict[str, RegionMemory]:
     """Per region (in program order, each fed the outputs of those before): what one forward
     keeps and what its backward allocates. Regions of one structure on inputs of one shape (a
     model's repeated layers) are measured once. ``fake=False`` measures ``model`` itself on
     real tensors instead (a check of the fake run; it zeroes the model's gradients). ``split=False``
     measures the whole backward alone (a region whose graph allows one backward: selective
-    activation checkpointing)."""
+    activation checkpointing). ``measure``: only these regions (the others run forward only, to
+    feed them): ranks can share the work and exchange the results."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
         model = _fake_copy(model, mode)
@@ -102,6 +104,10 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
                 env.update({v: t.detach() if isinstance(t, torch.Tensor) else t for v, t in zip(region.outputs, outs)})
 
             args = leaves()
+            if measure is not None and name not in measure:
+                with torch.no_grad():
+                    keep(chunk(*args))
+                continue
             key = _structure(program.graphs.get(name), chunk, args)
             if key in measured:
                 with torch.no_grad():
