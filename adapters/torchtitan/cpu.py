@@ -355,6 +355,9 @@ def refuse_cuda_only_flags(config: Any) -> None:
         raise FlagError("--profiler.enable_memory_snapshot records the CUDA caching allocator's history "
                         "(torch.cuda.memory._record_memory_history) and this run is on CPU: drop the flag "
                         "(--profiler.enable_profiling still traces CPU time), or run on a GPU")
+    if not config.training.disable_cuda_graphs:  # the CPU configs turn them off: only a flag turns them on
+        raise FlagError("--training.no-disable-cuda-graphs asks for CUDA graph capture of the forward+backward "
+                        "step and this run is on CPU, where there is no CUDA graph: drop the flag, or run on a GPU")
 
 
 def apply_cpu_fixes(config: Any) -> Any:
