@@ -2,11 +2,13 @@
 
     piper plan --recipe 1f1b --pp 4 --microbatches 8 [--trace t.json --png t.png --json plan.json]
     piper train --recipe 1f1b --pp 2 --microbatches 4 --steps 30 [--metrics m.jsonl --trace DIR]
+    piper tune --ranks 2 [--memory-cap 64MiB --out best.json]
 
 ``plan`` captures a toy model on the meta device, applies a recipe (or a recipe file), compiles
 per-rank plans, simulates one step and prints the grid, the bubble next to its textbook value
 and per-rank memory. ``train`` (:mod:`piper_plugin.cli_train`) runs the same schedule on real
-ranks and trains the toy LM on the shipped text. Host adapters add their own subcommands
+ranks and trains the toy LM on the shipped text. ``tune`` (:mod:`piper_plugin.cli_tune`) searches
+strategies by simulation and writes the best as a recipe file. Host adapters add their own subcommands
 (``piper launch``: TorchTitan) through the ``piper_plugin.commands`` entry-point group; this
 module imports no adapter.
 
@@ -36,6 +38,7 @@ COMMANDS_GROUP = "piper_plugin.commands"  # entry points: fn(subparsers) adds on
 def build_parser() -> argparse.ArgumentParser:
     """``plan`` and ``train``, then each installed ``piper_plugin.commands`` entry point's subcommand."""
     from piper_plugin.cli_train import add_train_parser
+    from piper_plugin.cli_tune import add_calibrate_parser, add_tune_parser
 
     parser = ArgumentParser(prog="piper", description="Piper: programmable distributed training.")
     commands = parser.add_subparsers(dest="command", metavar="<command>", parser_class=ArgumentParser)
@@ -50,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the compiled plan as JSON")
     plan.set_defaults(run=_run_plan)
     add_train_parser(commands)
+    add_calibrate_parser(commands)
+    add_tune_parser(commands)
     _add_plugin_commands(commands)
     return parser
 

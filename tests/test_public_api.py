@@ -118,7 +118,10 @@ LAYERS = {
     "piper_plugin.training": 9,
     "piper_plugin.train_report": 9,
     "piper_plugin.cli_args": 9,
+    "piper_plugin.tune": 9,
+    "piper_plugin.calibrate": 10,
     "piper_plugin.cli_train": 10,
+    "piper_plugin.cli_tune": 10,
     "piper_plugin.cli": 11,
     "piper_plugin": 12,
 }

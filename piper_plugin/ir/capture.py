@@ -247,6 +247,7 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], views: set[str], root_type:
             activation_bytes=sum(nbytes.get(n.name, 0) for n in member if n.name not in views),
             param_bytes=sum(params[p].numel() * params[p].element_size() for p in region_params),
             flops=2 * batch * sum(params[p].numel() for p in region_params),
+            ops=sum(n.op in ("call_function", "call_method", "call_module") for n in nodes),
         )
     input_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     dag = _single_device_dag(regions, producer, input_names, owner[loss_node], batch)

@@ -93,7 +93,9 @@ class Region:
     and reduce them one at a time inside the chunk. ``backward_splits=False``: the region's
     backward computes input and weight gradients in one call (a compiled graph, a custom
     autograd Function over its weights), so a BI of it runs the whole backward and its BW
-    nothing; the plan lowers it so (:mod:`piper_plugin.scheduler.backward_passes`).
+    nothing; the plan lowers it so (:mod:`piper_plugin.scheduler.backward_passes`). ``ops``: the
+    operations its traced graph runs (0: not known, a module region); a calibrated cost model
+    charges each task a time per op (:mod:`piper_plugin.calibrate`).
     """
 
     name: str
@@ -110,6 +112,7 @@ class Region:
     backward: BackwardBytes = field(default_factory=BackwardBytes)
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     backward_splits: bool = True
+    ops: int = 0
 
 
 @dataclass

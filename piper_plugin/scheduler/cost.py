@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from piper_plugin.ir.graph import DAG
 from piper_plugin.ir.nodes import Kind, Node
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "task_features"]
 
 
 @dataclass
@@ -28,6 +28,9 @@ class CostModel:
     flops_per_second: float | None = None  # if set, compute time comes from region FLOPs
     per_region: dict[str, float] = field(default_factory=dict)  # multiplier per region
     per_task: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, region) -> seconds, first
+    # kind -> seconds (per task, per op of the region, per forward FLOP of the microbatch, per parameter
+    # byte): a calibrated profile (:mod:`piper_plugin.calibrate`), second
+    linear: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
 
     @classmethod
     def uniform(cls, F: float = 1.0, B: float = 2.0, W: float | None = None, comm: float = 0.0) -> "CostModel":
@@ -45,6 +48,8 @@ class CostModel:
             seconds = self.per_task.get((node.kind.value, node.region))
             if seconds is not None:
                 return seconds
+        if self.linear and node.kind.value in self.linear:
+            return float(sum(c * x for c, x in zip(self.linear[node.kind.value], task_features(dag, node))))
         if self.flops_per_second is not None:
             region = dag.regions[node.region]
             shards = (dag.meta.microbatches or 1) * _data_shards(dag)
@@ -61,6 +66,14 @@ class CostModel:
                  Kind.REDUCE_SCATTER: (group - 1) / group, Kind.ALL_TO_ALL: (group - 1) / group}
         volume = node.bytes * share.get(node.kind, 1.0)
         return self.latency + volume * self.seconds_per_byte
+
+
+def task_features(dag: DAG, node: Node) -> tuple[float, float, float, float]:
+    """What a calibrated profile's coefficients multiply: 1, the region's ops, the forward FLOPs
+    of one microbatch on one data shard, the region's parameter bytes."""
+    region = dag.regions[node.region]
+    shards = (dag.meta.microbatches or 1) * _data_shards(dag)
+    return 1.0, float(region.ops), region.flops / shards, float(region.param_bytes)
 
 
 def _data_shards(dag: DAG) -> int:

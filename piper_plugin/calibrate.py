@@ -1,0 +1,162 @@
+"""A cost profile measured on this machine (``piper calibrate``), for the simulator and the tuner.
+
+Compute: a few short jobs of the toy model on forked ranks (1F1B and ZB-H1 pipelines with
+small and large microbatches, and data parallelism over whole-model regions) record each
+task's span in their last step. Per task kind (F, B, BI, BW, UPDATE) a non-negative
+least-squares fit gives seconds per task, per op of the region (Python and dispatch overhead:
+what dominates small models on a CPU), per forward FLOP of the microbatch and per parameter
+byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
+ping-pongs of several sizes and all-reduces over every rank (gloo, as the runtime sends them);
+a fit gives the latency and seconds per byte. The profile is JSON; :func:`cost_model` reads it.
+
+Invariant: a profile is measured on the model and sizes it names and used for that model; a
+profile for another model still loads, with its figures as measured (the tuner says which).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages"]
+
+KINDS = ("F", "B", "BI", "BW", "UPDATE")
+# (recipe, pp, microbatches) on the calibrated ranks: pp below the ranks is data parallel
+CALIBRATION_JOBS: tuple[tuple[str, str, int], ...] = (
+    ("1f1b", "all", 2), ("1f1b", "all", 8), ("zb-h1", "all", 4), ("1f1b", "one", 4))
+MESSAGE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
+
+
+def _nnls(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Non-negative least squares, columns scaled to unit norm first (features span 10 orders)."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    a, b = np.asarray(rows, dtype=float), np.asarray(times, dtype=float)
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(a / scale, b)
+    return [float(c) for c in coef / scale]
+
+
+def fit_compute(samples: list[tuple[str, tuple[float, ...], float]]) -> dict[str, list[float]]:
+    """``(kind, features, seconds)`` samples -> per kind the coefficients of the features. A
+    kind never measured (BI/BW without a split plan) takes half of B's."""
+    fitted: dict[str, list[float]] = {}
+    for kind in KINDS:
+        mine = [(f, t) for k, f, t in samples if k == kind]
+        if mine:
+            fitted[kind] = _nnls([list(f) for f, _ in mine], [t for _, t in mine])
+    if "B" in fitted:
+        for half in ("BI", "BW"):
+            fitted.setdefault(half, [c / 2 for c in fitted["B"]])
+    if "BI" in fitted and "BW" in fitted:
+        fitted.setdefault("B", [i + w for i, w in zip(fitted["BI"], fitted["BW"])])
+    return fitted
+
+
+def fit_messages(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(bytes, seconds)`` of single messages -> (latency, seconds per byte)."""
+    latency, per_byte = _nnls([[1.0, float(n)] for n, _ in samples], [t for _, t in samples])
+    return latency, per_byte
+
+
+def _message_body(repeats: int) -> Callable:
+    """In every rank (a forked worker with its default group): one-way times of ping-pongs between
+    ranks 0 and 1, then all-reduce times over every rank (rank 0 reports)."""
+    def body(worker) -> dict[str, list[tuple[int, float]]]:
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        p2p, reduce = [], []
+        for nbytes in MESSAGE_BYTES:
+            buf = torch.zeros(nbytes // 4)
+            dist.barrier()
+            if rank in (0, 1):
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    if rank == 0:
+                        dist.send(buf, 1)
+                        dist.recv(buf, 1)
+                    else:
+                        dist.recv(buf, 0)
+                        dist.send(buf, 0)
+                    times.append((time.perf_counter() - start) / 2)
+                p2p.append((nbytes, sorted(times)[len(times) // 2]))
+            dist.barrier()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dist.all_reduce(buf)
+                times.append(time.perf_counter() - start)
+            reduce.append((nbytes, sorted(times)[len(times) // 2]))
+        return {"p2p": p2p, "all_reduce": reduce}
+    return body
+
+
+def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32, steps: int = 4,
+              say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the calibration jobs and the message timings on ``ranks`` forked ranks; the profile."""
+    from piper_plugin.compiler import compile_job
+    from piper_plugin.recipes import load
+    from piper_plugin.runtime.launch.processes import run_forked
+    from piper_plugin.scheduler.cost import task_features
+    from piper_plugin.training import toy_job
+
+    samples: list[tuple[str, tuple[float, ...], float]] = []
+    message_job = None
+    for recipe, grid, m in CALIBRATION_JOBS:
+        pp = ranks if grid == "all" else 1
+        dp = ranks // pp
+        if batch % (dp * m):
+            continue
+        stages = load(recipe).stages(pp, 1)
+
+        def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m):
+            return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=0, chunks=1)
+
+        job = toy_job(schedule, model=model, stages=stages, layers=layers, batch=batch, seq=seq, steps=steps)
+        program, _, plan, _ = compile_job(job)
+        started = time.monotonic()
+        per_rank = run_forked(job, program, plan)
+        for result in per_rank.values():
+            for _, key, start, end in result["timeline"]:
+                node = plan.node(key)
+                if node.is_compute:
+                    samples.append((node.kind.value, task_features(plan.dag, node), end - start))
+        say(f"calibrate  {recipe} pp={pp} dp={dp} m={m}: {len(plan.dag.regions)} regions, "
+            f"{time.monotonic() - started:.1f} s")
+        message_job = message_job or (job, program, plan)
+    if message_job is None:
+        raise ValueError(f"batch {batch} does not split into any calibration job's microbatches on {ranks} ranks; "
+                         f"use a batch that is a multiple of {8 * ranks}")
+    job, program, plan = message_job
+    measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
+    latency, per_byte = fit_messages(measured["p2p"])
+    say(f"calibrate  messages: latency {latency * 1e6:.0f} us, {1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s")
+    return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
+            "features": ["per task", "per op", "per forward FLOP of the microbatch", "per parameter byte"],
+            "compute": fit_compute(samples), "latency_s": latency, "seconds_per_byte": per_byte,
+            "messages": measured, "tasks_measured": len(samples)}
+
+
+def cost_model(profile: dict[str, Any] | str | Path):
+    """The :class:`~piper_plugin.scheduler.cost.CostModel` of a profile (or its JSON file)."""
+    from piper_plugin.scheduler.cost import CostModel
+
+    if not isinstance(profile, dict):
+        path = Path(profile)
+        try:
+            profile = json.loads(path.read_text())
+            compute = {k: tuple(float(c) for c in v) for k, v in profile["compute"].items()}
+            latency, per_byte = float(profile["latency_s"]), float(profile["seconds_per_byte"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"cost profile {str(path)!r} is not one `piper calibrate` wrote "
+                             f"({type(exc).__name__}: {exc}); write one with `piper calibrate --out FILE`") from None
+    else:
+        compute = {k: tuple(float(c) for c in v) for k, v in profile["compute"].items()}
+        latency, per_byte = float(profile["latency_s"]), float(profile["seconds_per_byte"])
+    return CostModel(linear=compute, latency=latency, seconds_per_byte=per_byte)

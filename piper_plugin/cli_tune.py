@@ -1,0 +1,147 @@
+"""``piper calibrate`` and ``piper tune``: measure a cost profile; search strategies by
+simulation with it and write the best as a recipe file.
+
+    piper calibrate --ranks 2 --out profile.json          # ~1 minute of short jobs on forked ranks
+    piper tune --ranks 2 --profile profile.json [--memory-cap 64MiB] [--top 10] [--out best.json]
+
+Prints the plans that fit the cap, fastest first (predicted step time and peak memory of the
+fullest rank), how many candidates did not apply and why, and writes the first one's directives
+as a Schedule trace: ``piper train --recipe-file best.json`` and ``piper plan --recipe-file``
+replay it (:mod:`piper_plugin.tune`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from piper_plugin.cli_args import UsageError, positive_int
+
+__all__ = ["add_tune_parser", "run_tune", "add_calibrate_parser", "run_calibrate", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """``64MiB``, ``1.5GiB``, ``500MB``, ``1048576``: bytes (an argparse ``type``)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 64MiB, 1.5GiB, 500MB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_tune_parser(commands) -> argparse.ArgumentParser:
+    from piper_plugin.models import TOY_MODELS
+
+    tune = commands.add_parser(
+        "tune", help="search recipes x grids x ZeRO x microbatches by simulation; write the best as a recipe file",
+        description="Compile and simulate every built-in recipe on every pp x dp x ep grid of the ranks, at each "
+                    "ZeRO level, microbatch count and chunks per rank, for one model and global batch; print the "
+                    "fastest plans under the memory cap and write the first as a Schedule trace.")
+    tune.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
+    tune.add_argument("--ranks", type=positive_int, required=True, metavar="N", help="ranks to plan for")
+    tune.add_argument("--memory-cap", type=parse_bytes, metavar="BYTES",
+                      help="simulated peak per rank at most this (e.g. 64MiB); default: no cap")
+    tune.add_argument("--layers", type=positive_int, metavar="L",
+                      help="model layers, the same for every candidate (default: 8); a plan needs at most L stages")
+    tune.add_argument("--batch", type=positive_int, metavar="N", help="global batch (default: 16)")
+    tune.add_argument("--profile", type=Path, metavar="FILE.json",
+                      help="a cost profile `piper calibrate` measured (replaces --cost)")
+    tune.add_argument("--cost", choices=("cpu", "uniform"), default="cpu",
+                      help="without --profile: cpu, a FLOP-based CPU/gloo estimate (default; it knows no runtime "
+                           "overhead: small models get microbatch counts too high); uniform: F=1 B=2 W=1, free comm")
+    tune.add_argument("--top", type=positive_int, default=10, metavar="K", help="plans to print (default: 10)")
+    tune.add_argument("--out", type=Path, metavar="FILE.json", help="write the best plan's Schedule trace here")
+    tune.set_defaults(run=run_tune)
+    return tune
+
+
+def add_calibrate_parser(commands) -> argparse.ArgumentParser:
+    from piper_plugin.models import TOY_MODELS
+
+    cal = commands.add_parser(
+        "calibrate", help="measure a cost profile (task times by kind, message latency and bandwidth) for tune",
+        description="Run short jobs of the model on forked ranks and time messages between them; fit per task "
+                    "kind seconds per task, per op, per FLOP and per parameter byte, and the messages' latency "
+                    "and bandwidth; write the profile (JSON) that `piper tune --profile` reads.")
+    cal.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
+    cal.add_argument("--ranks", type=positive_int, default=2, metavar="N", help="ranks (default: 2)")
+    cal.add_argument("--layers", type=positive_int, default=8, metavar="L", help="model layers (default: 8)")
+    cal.add_argument("--batch", type=positive_int, default=16, metavar="N", help="global batch (default: 16)")
+    cal.add_argument("--out", type=Path, required=True, metavar="FILE.json", help="where the profile goes")
+    cal.set_defaults(run=run_calibrate)
+    return cal
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from piper_plugin.calibrate import calibrate
+
+    if args.ranks < 2:
+        raise UsageError("--ranks 1: calibrating messages needs 2 ranks or more")
+    profile = calibrate(model=args.model, ranks=args.ranks, layers=args.layers, batch=args.batch)
+    args.out.write_text(json.dumps(profile, indent=1))
+    kinds = ", ".join(f"{k} {c[0] * 1e3:.2f} ms + {c[1] * 1e6:.1f} us/op" for k, c in profile["compute"].items())
+    print(f"profile    {kinds}")
+    print(f"wrote {args.out}: piper tune --ranks {args.ranks} --profile {args.out} --layers {args.layers} "
+          f"--batch {args.batch}" + (f" --model {args.model}" if args.model != "toy-lm" else ""))
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from piper_plugin.calibrate import cost_model
+    from piper_plugin.data.text import vocab_size
+    from piper_plugin.ir.capture import capture
+    from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
+    from piper_plugin.scheduler.cost import CostModel
+    from piper_plugin.train_report import human_bytes
+    from piper_plugin.tune import search
+
+    layers, batch = args.layers or 8, args.batch or 16
+    experts = args.model == "toy-moe"
+
+    def build_program(stages: int):
+        with torch.device("meta"):
+            model, cfg = TOY_MODELS[args.model](stages=stages, layers=layers, vocab=vocab_size(), seq=32)
+        tokens, targets = lm_batch(cfg, batch)
+        return capture(model, lm_loss, (tokens,), targets)
+
+    if args.profile is not None:
+        cost, cost_name = cost_model(args.profile), f"profile {args.profile}"
+    else:
+        cost, cost_name = (CostModel.cpu_default() if args.cost == "cpu" else CostModel.uniform()), args.cost
+    result = search(build_program, args.ranks, batch, experts=experts, cost=cost, memory_cap=args.memory_cap,
+                    max_stages=layers)
+    scored = len(result.fitting) + len(result.over_cap)
+    print(f"tune    {args.model}, {layers} layers, batch {batch}, {args.ranks} ranks, cost {cost_name}: "
+          f"{scored} distinct plans simulated ({result.duplicates} candidates gave a plan already seen), "
+          f"{sum(result.refused.values())} did not apply")
+    for reason, count in sorted(result.refused.items(), key=lambda kv: -kv[1]):
+        print(f"        {count:4d} x {reason}")
+    if not result.fitting:
+        smallest = result.over_cap[0] if result.over_cap else None
+        hint = (f"; the smallest plan needs {human_bytes(smallest.peak_bytes)} per rank ({smallest.candidate.label()})"
+                if smallest else "")
+        raise UsageError(f"no plan fits --memory-cap {human_bytes(args.memory_cap or 0)}{hint}: raise the cap, "
+                         f"add ranks or lower --batch")
+    seconds = args.profile is not None or args.cost == "cpu"
+    scale = 1e3 if seconds else 1.0
+    rows = [("#", "plan", f"step ({'ms' if seconds else 'units'})", "bubble", "peak/rank")]
+    for i, s in enumerate(result.fitting[:args.top], 1):
+        rows.append((str(i), s.candidate.label(), f"{s.step_time * scale:.4g}", f"{s.bubble:.1%}",
+                     human_bytes(s.peak_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print()
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    if result.over_cap:
+        print(f"\n{len(result.over_cap)} plans above the cap (smallest: {human_bytes(result.over_cap[0].peak_bytes)})")
+    best = result.fitting[0]
+    if args.out:
+        args.out.write_text(best.schedule.dumps())
+        print(f"\nwrote {args.out}: piper train --recipe-file {args.out} --layers {layers} --batch {batch}"
+              + (f" --model {args.model}" if args.model != "toy-lm" else ""))
+    return 0

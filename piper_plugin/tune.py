@@ -1,0 +1,140 @@
+"""Strategy search by simulation (``piper tune``).
+
+Every built-in recipe x every grid ``pp x dp x ep`` of the ranks x ZeRO level x microbatch
+count x chunks per rank is compiled on the same model and global batch and simulated with one
+cost model; what does not apply (too few microbatches, a stage count the model cannot cut, an
+expert degree on a model without experts) is counted with its reason, not scored. Plans whose
+simulated peak memory on their fullest rank is above the cap are set aside; the rest are
+ranked by simulated step time, then by memory. The best one's directives are written as a
+Schedule trace (JSON), which ``piper train --recipe-file`` / ``load()`` replay as they are.
+
+Invariants: every candidate runs the same model (same layers, same global batch) and the same
+cost model, so step times compare; a candidate is scored only from its own compiled plan.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+__all__ = ["Candidate", "Scored", "TuneResult", "grids", "candidates", "search"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy: a built-in recipe on a grid, with its ZeRO level, microbatches and chunks."""
+
+    recipe: str
+    pp: int
+    dp: int
+    ep: int
+    zero: int
+    microbatches: int
+    chunks: int
+
+    def label(self) -> str:
+        chunks = f" v={self.chunks}" if self.chunks > 1 else ""
+        return (f"{self.recipe} pp={self.pp} dp={self.dp} ep={self.ep} zero={self.zero} "
+                f"m={self.microbatches}{chunks}")
+
+
+@dataclass
+class Scored:
+    """A candidate's simulated step: its time, its fullest rank's peak bytes, its bubble; and
+    the Schedule whose trace reproduces it."""
+
+    candidate: Candidate
+    step_time: float
+    peak_bytes: int
+    bubble: float
+    schedule: Any
+
+
+@dataclass
+class TuneResult:
+    fitting: list[Scored]  # under the memory cap, fastest first
+    over_cap: list[Scored]  # above it, smallest peak first
+    refused: dict[str, int]  # reason -> candidates that did not apply
+    duplicates: int = 0  # candidates whose plan equals one scored before (e.g. every recipe at pp=1)
+
+
+def grids(ranks: int, experts: bool) -> Iterator[tuple[int, int, int]]:
+    """Every ``(pp, dp, ep)`` whose product is ``ranks`` (``ep`` 1 unless the model has experts)."""
+    for pp in range(1, ranks + 1):
+        if ranks % pp:
+            continue
+        rest = ranks // pp
+        for ep in range(1, rest + 1):
+            if rest % ep or (ep > 1 and not experts):
+                continue
+            yield pp, rest // ep, ep
+
+
+def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str], zero_levels: Sequence[int],
+               microbatches: Sequence[int], chunks: Sequence[int]) -> Iterator[Candidate]:
+    """The search space: a microbatch count must give every data shard (dp x ep of them) whole
+    samples; chunks above 1 only for recipes that place several stages on a rank."""
+    from piper_plugin.recipes import load
+
+    for name, (pp, dp, ep), zero, m in itertools.product(recipes, grids(ranks, experts), zero_levels, microbatches):
+        if batch % (dp * ep * m):
+            continue
+        if zero > 0 and dp * ep == 1:
+            continue  # ZeRO shards over data-parallel ranks: with one, every level is ZeRO-0
+        recipe = load(name)
+        seen_stages = set()
+        for v in chunks:
+            stages = recipe.stages(pp, v)
+            if stages in seen_stages:
+                continue  # a recipe that ignores chunks: once
+            seen_stages.add(stages)
+            yield Candidate(name, pp, dp, ep, zero, m, v)
+
+
+def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, experts: bool, cost: Any,
+           memory_cap: float | None = None, recipes: Sequence[str] | None = None,
+           zero_levels: Sequence[int] = (0, 1, 2, 3), microbatches: Sequence[int] = (1, 2, 4, 8, 16),
+           chunks: Sequence[int] = (1, 2), max_stages: int | None = None) -> TuneResult:
+    """Score every candidate. ``build_program(stages)`` captures the model cut into that many
+    stages (cached per count here); ``max_stages`` skips candidates needing more."""
+    from piper_plugin.compiler import compile_program
+    from piper_plugin.recipes import RECIPES, RecipeError, load
+
+    programs: dict[int, Any] = {}
+    duplicates = 0
+    fitting, over, refused, hashes = [], [], {}, set()
+    for cand in candidates(ranks, batch, experts=experts, recipes=list(recipes or RECIPES),
+                           zero_levels=zero_levels, microbatches=microbatches, chunks=chunks):
+        recipe = load(cand.recipe)
+        stages = recipe.stages(cand.pp, cand.chunks)
+        if max_stages is not None and stages > max_stages:
+            refused[f"needs more than {max_stages} stages"] = refused.get(f"needs more than {max_stages} stages", 0) + 1
+            continue
+        try:
+            if stages not in programs:
+                programs[stages] = build_program(stages)
+            settings = dict(pp=cand.pp, dp=cand.dp, ep=cand.ep, microbatches=cand.microbatches, zero=cand.zero)
+            _, sch, plan, result = compile_program(
+                programs[stages], lambda p: recipe.schedule(p, chunks=cand.chunks, **settings), cost=cost)
+        except (RecipeError, ValueError) as exc:  # DirectiveError and PlanError are ValueErrors
+            reason = _reason(exc)
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        if plan.hash() in hashes:
+            duplicates += 1
+            continue
+        hashes.add(plan.hash())
+        peak = max(sum(static.values()) + transient
+                   for static, transient in zip(result.static_bytes, result.peak_transient_bytes))
+        scored = Scored(cand, result.step_time, int(peak), result.bubble_fraction, sch)
+        (fitting if memory_cap is None or peak <= memory_cap else over).append(scored)
+    fitting.sort(key=lambda s: (s.step_time, s.peak_bytes, s.candidate.label()))
+    over.sort(key=lambda s: (s.peak_bytes, s.step_time, s.candidate.label()))
+    return TuneResult(fitting, over, refused, duplicates)
+
+
+def _reason(exc: Exception) -> str:
+    """A refusal's kind, for counting: the message after the directive's name, up to its first
+    parenthesis or semicolon, numbers as N."""
+    text = str(exc).split(": ", 1)[-1].split(" (")[0].split(";")[0]
+    return "".join("N" if c.isdigit() else c for c in text)[:120]

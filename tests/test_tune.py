@@ -1,0 +1,128 @@
+"""``piper tune`` searches strategies by simulation; ``piper calibrate`` measures the cost
+profile it simulates with. The search scores every candidate from its own compiled plan, keeps
+the memory cap, and writes a recipe file ``piper train`` replays; the profile's fits recover
+known coefficients."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from piper_plugin.calibrate import cost_model, fit_compute, fit_messages
+from piper_plugin.compiler import compile_program
+from piper_plugin.ir.capture import capture
+from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
+from piper_plugin.recipes import load
+from piper_plugin.scheduler.cost import CostModel
+from piper_plugin.tune import candidates, grids, search
+
+BATCH, LAYERS = 16, 4
+
+
+def _program(stages: int):
+    with torch.device("meta"):
+        model, cfg = TOY_MODELS["toy-lm"](stages=stages, layers=LAYERS)
+    tokens, targets = lm_batch(cfg, BATCH)
+    return capture(model, lm_loss, (tokens,), targets)
+
+
+def _piper(*argv):
+    return subprocess.run([sys.executable, "-m", "piper_plugin.cli", *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_grids_are_every_factorisation_of_the_ranks():
+    assert sorted(grids(4, experts=False)) == [(1, 4, 1), (2, 2, 1), (4, 1, 1)]
+    assert sorted(grids(4, experts=True)) == [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
+
+
+def test_candidates_give_every_data_shard_whole_samples_and_zero_only_with_data_parallelism():
+    found = list(candidates(4, 8, experts=False, recipes=["1f1b"], zero_levels=(0, 3), microbatches=(1, 2, 4),
+                            chunks=(1, 2)))
+    assert found and all(8 % (c.dp * c.ep * c.microbatches) == 0 for c in found)
+    assert all(c.zero == 0 for c in found if c.dp * c.ep == 1)
+    assert len({(c.pp, c.dp, c.zero, c.microbatches) for c in found}) == len(found)  # 1f1b ignores chunks: once
+
+
+def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
+    cost = CostModel.cpu_default()
+    space = dict(recipes=["1f1b", "zb-h1", "interleaved-1f1b"], zero_levels=(0, 3), microbatches=(1, 2, 4, 8))
+    every = search(_program, 2, BATCH, experts=False, cost=cost, max_stages=LAYERS, **space)
+    cap = sorted(s.peak_bytes for s in every.fitting)[len(every.fitting) // 2]  # half the plans fit
+    result = search(_program, 2, BATCH, experts=False, cost=cost, memory_cap=cap, max_stages=LAYERS, **space)
+    assert result.fitting and result.over_cap and result.refused
+    assert len(result.fitting) + len(result.over_cap) == len(every.fitting)
+    assert all(s.peak_bytes <= cap for s in result.fitting)
+    assert all(s.peak_bytes > cap for s in result.over_cap)
+    times = [s.step_time for s in result.fitting]
+    assert times == sorted(times)
+    for s in result.fitting[:3] + result.over_cap[:2]:  # recompiled alone: the same figures
+        c = s.candidate
+        recipe = load(c.recipe)
+        _, _, _, sim = compile_program(
+            _program(recipe.stages(c.pp, c.chunks)),
+            lambda p: recipe.schedule(p, chunks=c.chunks, pp=c.pp, dp=c.dp, ep=c.ep, microbatches=c.microbatches,
+                                      zero=c.zero), cost=cost)
+        assert sim.step_time == s.step_time
+        assert max(sum(st.values()) + t for st, t in zip(sim.static_bytes, sim.peak_transient_bytes)) == s.peak_bytes
+
+
+def test_fits_recover_known_coefficients():
+    truth = {"F": [1e-3, 5e-6, 2e-9, 0.0], "B": [2e-3, 1e-5, 4e-9, 0.0], "UPDATE": [1e-4, 0.0, 0.0, 3e-9]}
+    samples = []
+    for kind, coef in truth.items():
+        for ops in (10, 40, 160):
+            for flops in (1e5, 1e6, 1e7):
+                for param_bytes in (1e5, 3e6):
+                    features = (1.0, float(ops), flops, param_bytes)
+                    samples.append((kind, features, sum(c * x for c, x in zip(coef, features))))
+    fitted = fit_compute(samples)
+    for kind, coef in truth.items():
+        assert fitted[kind] == pytest.approx(coef, rel=1e-6, abs=1e-12), kind
+    assert fitted["BI"] == pytest.approx([c / 2 for c in truth["B"]])  # never measured: half a backward each
+    latency, per_byte = fit_messages([(n, 1e-4 + n * 2e-10) for n in (1 << 10, 1 << 16, 1 << 20)])
+    assert (latency, per_byte) == (pytest.approx(1e-4), pytest.approx(2e-10))
+
+
+@pytest.mark.slow
+def test_a_profile_that_is_not_one_names_the_file_and_the_fix(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"compute": {}}))
+    with pytest.raises(ValueError, match=r"cost profile .*p.json.* is not one `piper calibrate` wrote.*--out"):
+        cost_model(bad)
+    run = _piper("tune", "--ranks", "2", "--profile", str(bad))
+    assert run.returncode == 2 and run.stderr.count("piper: error:") == 1 and "piper calibrate" in run.stderr
+
+
+@pytest.mark.slow
+def test_nothing_under_the_cap_is_one_line_naming_the_smallest_plan():
+    run = _piper("tune", "--ranks", "2", "--layers", "4", "--memory-cap", "1KiB")
+    assert run.returncode == 2, run.stderr
+    (line,) = [l for l in run.stderr.splitlines() if l.startswith("piper: error:")]
+    assert "no plan fits --memory-cap 1.0 KiB" in line and "the smallest plan needs" in line
+
+
+@pytest.mark.slow
+def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path):
+    """The whole loop on 2 forked ranks: a measured profile, a search with it, and the best
+    plan's file replayed by ``piper train`` (its grid and microbatches come from the file)."""
+    profile, best = tmp_path / "profile.json", tmp_path / "best.json"
+    sizes = ["--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH)]
+    cal = _piper("calibrate", *sizes, "--out", str(profile))
+    assert cal.returncode == 0, cal.stderr[-3000:]
+    data = json.loads(profile.read_text())
+    assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
+    assert data["latency_s"] > 0 and all(c >= 0 for cs in data["compute"].values() for c in cs)
+    tune = _piper("tune", *sizes, "--profile", str(profile), "--out", str(best))
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    first = next(l for l in tune.stdout.splitlines() if l.split()[:1] == ["1"])
+    train = _piper("train", "--recipe-file", str(best), "--layers", str(LAYERS), "--batch", str(BATCH),
+                   "--steps", "2", "--launcher", "fork")
+    assert train.returncode == 0, train.stderr[-3000:]
+    trace = json.loads(best.read_text())
+    grid = trace["grid"]
+    assert f"pp={grid['pp']} dp={grid.get('dp', 1)}" in first
+    assert "step 2/2" in train.stdout
