@@ -6,8 +6,11 @@ task's span in their last step. Per task kind (F, B, BI, BW, UPDATE) a non-negat
 least-squares fit gives seconds per task, per op of the region (Python and dispatch overhead:
 what dominates small models on a CPU), per forward FLOP of the microbatch and per parameter
 byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
-ping-pongs of several sizes and all-reduces over every rank (gloo, as the runtime sends them);
-a fit gives the latency and seconds per byte. The profile is JSON; :func:`cost_model` reads it.
+ping-pongs of several sizes (gloo) for the seconds per byte; the time per message the
+simulator charges is then the one (searched over 1 us-10 ms) whose simulations of the
+calibration jobs come closest to their measured step times (log error): it carries what the
+runtime adds to each message (its threads, copies, waits), which a raw ping-pong does not. The
+profile (JSON, with each job's measured and predicted step) is what :func:`cost_model` reads.
 
 Invariant: a profile is measured on the model and sizes it names and used for that model; a
 profile for another model still loads, with its figures as measured (the tuner says which).
@@ -15,16 +18,20 @@ profile for another model still loads, with its figures as measured (the tuner s
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages"]
+__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
-# (recipe, pp, microbatches) on the calibrated ranks: pp below the ranks is data parallel
-CALIBRATION_JOBS: tuple[tuple[str, str, int], ...] = (
-    ("1f1b", "all", 2), ("1f1b", "all", 8), ("zb-h1", "all", 4), ("1f1b", "one", 4))
+# (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level)
+CALIBRATION_JOBS: tuple[tuple[str, str, int, int], ...] = (
+    ("1f1b", "all", 2, 0), ("1f1b", "all", 8, 0), ("zb-h1", "all", 4, 0), ("1f1b", "one", 4, 0),
+    ("1f1b", "one", 1, 0), ("1f1b", "one", 2, 3))
+LATENCIES = tuple(10 ** (-6 + k / 10) for k in range(41))  # 1 us .. 10 ms, the per-message time searched
 MESSAGE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
 
 
@@ -107,27 +114,37 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     from piper_plugin.training import toy_job
 
     samples: list[tuple[str, tuple[float, ...], float]] = []
+    steps_measured: list[tuple[str, Any, float]] = []  # (job, plan, median step of the slowest rank)
     message_job = None
-    for recipe, grid, m in CALIBRATION_JOBS:
+    for recipe, grid, m, zero in CALIBRATION_JOBS:
         pp = ranks if grid == "all" else 1
         dp = ranks // pp
         if batch % (dp * m):
             continue
         stages = load(recipe).stages(pp, 1)
 
-        def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m):
-            return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=0, chunks=1)
+        if zero and dp == 1:
+            continue
+
+        def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m, zero=zero):
+            return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=zero, chunks=1)
 
         job = toy_job(schedule, model=model, stages=stages, layers=layers, batch=batch, seq=seq, steps=steps)
         program, _, plan, _ = compile_job(job)
         started = time.monotonic()
-        per_rank = run_forked(job, program, plan)
+        metrics: list[dict] = []
+        per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
+        slowest: dict[int, float] = {}
+        for m_ in metrics:
+            slowest[m_["step"]] = max(slowest.get(m_["step"], 0.0), m_["step_time_s"])
+        name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}"
+        steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= 1)))
         for result in per_rank.values():
             for _, key, start, end in result["timeline"]:
                 node = plan.node(key)
                 if node.is_compute:
                     samples.append((node.kind.value, task_features(plan.dag, node), end - start))
-        say(f"calibrate  {recipe} pp={pp} dp={dp} m={m}: {len(plan.dag.regions)} regions, "
+        say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
         message_job = message_job or (job, program, plan)
     if message_job is None:
@@ -135,12 +152,42 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
                          f"use a batch that is a multiple of {8 * ranks}")
     job, program, plan = message_job
     measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
-    latency, per_byte = fit_messages(measured["p2p"])
-    say(f"calibrate  messages: latency {latency * 1e6:.0f} us, {1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s")
+    wire_latency, per_byte = fit_messages(measured["p2p"])
+    compute = fit_compute(samples)
+    latency = fit_latency(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
+    predicted = _predict(compute, latency, per_byte, [plan for _, plan, _ in steps_measured])
+    say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
+        f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
+        f"{latency * 1e6:.0f} us")
+    jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
+            for (name, _, step), p in zip(steps_measured, predicted)]
+    for j in jobs:
+        say(f"calibrate  {j['job']}: predicted {j['predicted_step_s'] * 1e3:.1f} ms, "
+            f"measured {j['measured_step_s'] * 1e3:.1f} ms")
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
             "features": ["per task", "per op", "per forward FLOP of the microbatch", "per parameter byte"],
-            "compute": fit_compute(samples), "latency_s": latency, "seconds_per_byte": per_byte,
-            "messages": measured, "tasks_measured": len(samples)}
+            "compute": compute, "latency_s": latency, "seconds_per_byte": per_byte,
+            "ping_pong_latency_s": wire_latency, "messages": measured, "tasks_measured": len(samples),
+            "jobs": jobs}
+
+
+def _predict(compute: dict[str, list[float]], latency: float, per_byte: float, plans: list) -> list[float]:
+    from piper_plugin.scheduler.cost import CostModel
+    from piper_plugin.scheduler.simulate import simulate
+
+    cost = CostModel(linear={k: tuple(v) for k, v in compute.items()}, latency=latency, seconds_per_byte=per_byte)
+    return [simulate(plan, cost).step_time for plan in plans]
+
+
+def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]]) -> float:
+    """The per-message time (of :data:`LATENCIES`) whose simulated steps of the ``(plan,
+    measured step)`` pairs have the least squared log error."""
+    plans, steps = [p for p, _ in measured], [s for _, s in measured]
+
+    def error(latency: float) -> float:
+        return sum(math.log(p / s) ** 2 for p, s in zip(_predict(compute, latency, per_byte, plans), steps))
+
+    return min(LATENCIES, key=error)
 
 
 def cost_model(profile: dict[str, Any] | str | Path):
