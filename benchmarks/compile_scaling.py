@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("build", "capture", "passes", "plan", "simulate")
 
 
-def one(pp: int, v: int, m: int) -> dict:
-    """Compile one size in this process; phase seconds, nodes and edges."""
+def one(pp: int, v: int, m: int, dp: int = 1, recipe: str = "interleaved-1f1b") -> dict:
+    """Compile one size in this process (``dp`` data-parallel replicas, one sample per
+    microbatch each); phase seconds, nodes and edges."""
     import torch
     from piper_plugin import Schedule, build_plan, capture, simulate
     from piper_plugin.models import build_toy_lm, lm_batch, lm_loss
@@ -38,13 +39,13 @@ def one(pp: int, v: int, m: int) -> dict:
     t = [time.perf_counter()]  # imports are not compile time (the acceptance script imports first)
     with torch.device("meta"):
         model, cfg = build_toy_lm(stages=pp * v, layers=pp * v)
-    x, y = lm_batch(cfg, m)
+    x, y = lm_batch(cfg, m * dp)
     t.append(time.perf_counter())
     program = capture(model, lm_loss, (x,), y)
     t.append(time.perf_counter())
 
-    sch = Schedule(program, pp=pp)
-    apply_recipe(sch, "interleaved-1f1b", microbatches=m, chunks=v)
+    sch = Schedule(program, pp=pp, dp=dp)
+    apply_recipe(sch, recipe, microbatches=m, chunks=v)
     t.append(time.perf_counter())
     plan = build_plan(sch.dag, sch.grid)  # the steps piper.compile_program runs, timed one by one
     t.append(time.perf_counter())
@@ -54,10 +55,11 @@ def one(pp: int, v: int, m: int) -> dict:
             **{p: b - a for p, a, b in zip(PHASES, t, t[1:])}}
 
 
-def measure(pp: int, v: int, m: int, repeat: int) -> dict:
+def measure(pp: int, v: int, m: int, dp: int, recipe: str, repeat: int) -> dict:
     runs = []
     for _ in range(repeat):
-        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(pp), str(v), str(m)],
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(pp), str(v), str(m),
+                              str(dp), recipe],
                              check=True, capture_output=True, text=True, cwd=ROOT)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return min(runs, key=lambda r: sum(r[p] for p in PHASES))
@@ -66,28 +68,31 @@ def measure(pp: int, v: int, m: int, repeat: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["4x16", "8x32", "16x64", "32x128", "32x256"],
-                    help="PPxMICROBATCHES per row")
+                    help="PPxMICROBATCHES[xDP] per row")
+    ap.add_argument("--recipe", default="interleaved-1f1b", help="the recipe compiled (default: interleaved-1f1b)")
     ap.add_argument("--chunks", type=int, default=2, help="v: stages per pipeline rank")
     ap.add_argument("--repeat", type=int, default=3, help="fresh-process runs per size; the fastest is kept")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_scaling.md"))
-    ap.add_argument("--one", nargs=3, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one)))
+        print(json.dumps(one(*map(int, args.one[:4]), args.one[4])))
         return
-    command = (f"python -m benchmarks.compile_scaling --sizes {' '.join(args.sizes)} --chunks {args.chunks} "
-               f"--repeat {args.repeat}")
+    command = (f"python -m benchmarks.compile_scaling --sizes {' '.join(args.sizes)} --recipe {args.recipe} "
+               f"--chunks {args.chunks} --repeat {args.repeat}"
+               + ("" if args.out == ap.get_default("out") else f" --out {os.path.relpath(args.out, ROOT)}"))
     print(command)
-    head = ("| pp | v | m | nodes | edges | " + " | ".join(f"{p} s" for p in PHASES)
+    head = ("| pp | dp | ranks | v | m | nodes | edges | " + " | ".join(f"{p} s" for p in PHASES)
             + " | total s | compile s | us/node | DAG us/node |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     print(head)
     for size in args.sizes:
-        pp, m = map(int, size.lower().split("x"))
-        r = measure(pp, args.chunks, m, args.repeat)
+        pp, m, *rest = map(int, size.lower().split("x"))
+        dp = rest[0] if rest else 1
+        r = measure(pp, args.chunks, m, dp, args.recipe, args.repeat)
         dag_s = r["passes"] + r["plan"] + r["simulate"]
         compile_s = r["capture"] + dag_s
-        row = (f"| {pp} | {args.chunks} | {m} | {r['nodes']} | {r['edges']} | "
+        row = (f"| {pp} | {dp} | {pp * dp} | {args.chunks} | {m} | {r['nodes']} | {r['edges']} | "
                + " | ".join(f"{r[p]:.2f}" for p in PHASES)
                + f" | {compile_s + r['build']:.2f} | {compile_s:.2f} | {1e6 * compile_s / r['nodes']:.1f}"
                + f" | {1e6 * dag_s / r['nodes']:.1f} |")
@@ -98,7 +103,7 @@ def main() -> None:
     dirty = subprocess.run(["git", "status", "--porcelain", "piper_plugin"], capture_output=True, text=True, cwd=ROOT).stdout
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     text = "\n".join([
-        "# Compile time vs DAG size (interleaved 1F1B, toy LM on meta)", "",
+        f"# Compile time vs DAG size ({args.recipe}, toy LM on meta)", "",
         f"Command: `{command}`", "",
         f"Machine: torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores "
         f"({platform.machine()}), load average {load} when the run ended; code at {commit}"

@@ -125,6 +125,8 @@ ENTRY = [
     (["--expert-model-parallel-size", "2"], "without --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds --num-experts 4"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+    (["--bf16"], "--bf16: this entry builds float32 models"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
     (["--pipeline-engine", "deepspeed"], "invalid choice: 'deepspeed'"),
     (["--micro-batch-size", "0"], "--micro-batch-size 0: must be a positive integer"),
     (["--hidden-size", "-64"], "--hidden-size -64: must be a positive integer"),

@@ -128,6 +128,7 @@ def _check(recipe: str, zero: int) -> None:
     assert sum(r["losses"] > 0 for r in results.values()) == 2  # the last stage, on both replicas
 
 
+@pytest.mark.slow  # 4 ranks, 12 s: the fast tier's invariant-8 checks are test_optimizer_view and test_executor
 def test_a_host_optimizer_steps_zero3_shards_through_faces():
     _check("1f1b", 3)
 

@@ -145,3 +145,16 @@ def test_dualpipev_builds_its_v_and_asks_for_untied_embeddings(tmp_path):
     assert all("--untie-embeddings-and-output-weights" in r.get("error", "") for r in reports.values()), reports
     losses = _losses(2, argv + ["--untie-embeddings-and-output-weights"], tmp_path)
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_activation_recomputation_flags_log_megatrons_losses(tmp_path):
+    """Megatron-LM's ``--recompute-granularity full --recompute-method uniform`` under both
+    engines (1F1B, pp 2): the same losses (``selective`` gave the same at 4a770ca, checked by
+    hand: one row keeps the suite's time)."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    megatron, piper = _both(2, BASE + no_dropout + recompute + ["--pipeline-model-parallel-size", "2",
+                                                                "--global-batch-size", "8", "--train-iters", "3"],
+                            tmp_path)
+    assert len(piper) == 3 and piper == pytest.approx(megatron, rel=1e-5, abs=0)

@@ -1,5 +1,6 @@
 """Launch mode Ray: the driver compiles once, actors train; parity, user optimizer and LR
 scheduler, and a failing actor stopping the job — on one Ray cluster for the session."""
+import contextlib
 import functools
 import subprocess
 import time
@@ -7,6 +8,7 @@ import time
 import pytest
 import torch
 
+from listening import listening, loopback, process_tree
 from piper_plugin.api.schedule import Schedule
 from piper_plugin.models import ToyLM, ToyLMConfig, lm_loss
 from piper_plugin.recipes import apply_recipe
@@ -107,55 +109,6 @@ def test_the_driver_asks_stalled_actors_what_they_do(ray_cluster):
         ray.kill(alive)
 
 
-def _tree(root: int) -> set[int]:
-    """``root`` and every process below it (from /proc)."""
-    parent = {}
-    for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
-        try:
-            fields = open(stat).read().rsplit(")", 1)[1].split()
-            parent[int(stat.split("/")[2])] = int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    tree, grown = {root}, True
-    while grown:
-        below = {p for p, pp in parent.items() if pp in tree} - tree
-        tree |= below
-        grown = bool(below)
-    return tree
-
-
-def _listening(pids: set[int]) -> list[tuple[int, str]]:
-    """(pid, local address) of every listening TCP socket those processes hold (from /proc)."""
-    import glob
-    import ipaddress
-    import os
-
-    owner = {}
-    for pid in pids:
-        for fd in glob.glob(f"/proc/{pid}/fd/*"):
-            try:
-                link = os.readlink(fd)
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                owner[link[8:-1]] = pid
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
-                continue
-            raw = bytes.fromhex(fields[1].split(":")[0])
-            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
-            out.append((owner[fields[9]], str(ipaddress.ip_address(words))))
-    return out
-
-
-def _loopback(address) -> bool:
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from an IPv6 socket
-    return (mapped or address).is_loopback
-
-
 @pytest.mark.slow
 def test_a_default_run_listens_on_the_loopback_only(tmp_path):
     """While a default ``piper train`` (a local Ray it starts itself) trains, every listening
@@ -174,14 +127,49 @@ def test_a_default_run_listens_on_the_loopback_only(tmp_path):
             if line.split("/")[0].split() == ["step", "3"]:
                 break
         assert job.poll() is None, "the run ended before its third step"
-        sockets = _listening(_tree(job.pid))
+        sockets = listening(process_tree(job.pid))
         assert len(sockets) >= 5, f"found too few listening sockets to tell anything: {sockets}"
-        wide = [(pid, open(f"/proc/{pid}/comm").read().strip(), ip) for pid, ip in sockets
-                if not _loopback(ipaddress.ip_address(ip))]
+        wide = [(pid, open(f"/proc/{pid}/comm").read().strip(), ip) for pid, ip, _ in sockets
+                if not loopback(ipaddress.ip_address(ip))]
         assert not wide, f"listening beyond the loopback: {wide}"
     finally:
         os.killpg(job.pid, 9)
         job.wait(30)
+
+
+@contextlib.contextmanager
+def _ray_head(tmp_path, env: dict):
+    """A Ray head started as a user starts one (``ray start --head``, on the loopback, in ``env``);
+    yields its address; the head and everything it started are killed after."""
+    import os
+    import shutil
+    import socket
+    import tempfile
+
+    from piper_plugin.runtime.launch.processes import free_port
+
+    port = free_port()
+    ray_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    log = tmp_path / f"head{port}.log"
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+                             "--temp-dir", ray_dir], env={**env, "RAY_USAGE_STATS_ENABLED": "0"},
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the GCS port answers
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, 9)  # the head and every process it started (a graceful stop drains for ~30 s)
+        head.wait(60)
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -189,35 +177,17 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
     """A cluster started as the docs say (``RAY_AUTH_MODE=token ray start --head`` with a
     generated token, here on the loopback): ``piper train --address`` with the token trains on
     it; with a wrong token the job ends in seconds with one ``piper: error:`` line naming the
-    fix, before any rank starts; joining without a token is refused the same way."""
+    fix, before any rank starts; joining without a token is refused the same way. And a cluster
+    started without authentication (``RAY_AUTH_MODE=disabled``): the job trains on it and Piper
+    says once that it accepted the driver without a token, with the token recipe."""
     import os
     import secrets
-    import socket
     import sys
 
-    from piper_plugin.runtime.launch.processes import free_port
-
-    import shutil
-    import tempfile
-
-    token, port = secrets.token_hex(32), free_port()
-    ray_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    token = secrets.token_hex(32)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    cluster_env = {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0"}
-    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-                             "--temp-dir", ray_dir], env=cluster_env, stdout=subprocess.DEVNULL,
-                            stderr=(tmp_path / "head.log").open("w"), start_new_session=True)
-    try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:  # the GCS port answers
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
-                time.sleep(0.5)
+    with _ray_head(tmp_path, {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) as address, \
+            _ray_head(tmp_path, {**clean, "RAY_AUTH_MODE": "disabled"}) as open_address:
         train = [sys.executable, "-m", "piper_plugin.cli", "train", "--steps", "2", "--address", address]
         start = time.monotonic()
         good = subprocess.run(train, env={**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token},
@@ -225,7 +195,10 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
         assert good.returncode == 0, good.stderr[-3000:]
         assert "step 2/2" in good.stdout and "without a token" not in good.stderr
         print(f"joined and trained: {time.monotonic() - start:.1f} s")
-        start = time.monotonic()  # both refused drivers at once: each mostly waits for Ray's retries
+        start = time.monotonic()  # both refused drivers at once (each mostly waits for Ray's retries), and
+        # the job on the cluster without authentication
+        unauthenticated = subprocess.Popen(train[:-1] + [open_address], env=clean, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
         refused = {name: subprocess.Popen(train, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for name, env in {"wrong": {**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
                                      "missing": {**clean, "HOME": str(tmp_path)}}.items()}  # no token file there
@@ -239,8 +212,9 @@ def test_address_joins_a_token_authenticated_cluster_and_a_wrong_token_is_one_li
             assert "step 1/" not in bad.stdout, name  # no rank trained
             print(name, f"{time.monotonic() - start:.1f} s")
             assert time.monotonic() - start < 60, name
-    finally:
-        if head.poll() is None:
-            os.killpg(head.pid, 9)  # the head and every process it started (a graceful stop drains for ~30 s)
-        head.wait(60)
-        shutil.rmtree(ray_dir, ignore_errors=True)
+        out, err = unauthenticated.communicate(timeout=180)
+        assert unauthenticated.returncode == 0 and "step 2/2" in out, err[-3000:]
+        warnings = [line for line in err.splitlines() if "accepted this driver without a token" in line]
+        assert len(warnings) == 1, err[-3000:]
+        assert warnings[0].startswith("piper: warning:") and "RAY_AUTH_MODE=token" in warnings[0]
+

@@ -42,6 +42,30 @@ def llama3_fails_on_rank_1():
     return llama3_debugmodel_pp2_1f1b()
 
 
+def llama3_says_its_rendezvous_port():
+    """The drop-in 1F1B config; rank 0 prints the port of the TCP store it serves (MASTER_PORT)."""
+    from piper_plugin.adapters.torchtitan.config_registry import llama3_debugmodel_pp2_1f1b
+
+    if os.environ.get("RANK") == "0":
+        print(f"rendezvous port {os.environ['MASTER_PORT']}", flush=True)
+    return llama3_debugmodel_pp2_1f1b()
+
+
+def _watch_listeners(wide: set, polled: list, done: threading.Event) -> None:
+    """Until ``done``: every non-loopback listening (address, port) of the session's Ray processes
+    and everything below them (its workers: the rank actors)."""
+    import ipaddress
+
+    import ray
+    from listening import listening, loopback, process_tree
+
+    roots = [info.process.pid for infos in ray._private.worker._global_node.all_processes.values() for info in infos]
+    while not done.wait(0.3):
+        pids = set().union(*(process_tree(root) for root in roots))
+        wide.update((ip, port) for _, ip, port in listening(pids) if not loopback(ipaddress.ip_address(ip)))
+        polled[0] += 1
+
+
 def _live_rank_actors() -> list[str]:
     import ray
 
@@ -58,14 +82,24 @@ def _wait_no_rank_actors(timeout_s: float = 20.0) -> list[str]:
 
 @pytest.mark.slow
 def test_launch_trains_like_torchrun(ray_cluster, tmp_path, monkeypatch, capsys):
+    """Also: while it trains, every listening socket of the Ray cluster's processes (GCS, raylet,
+    workers, the rank actors and their gloo pairs) is on the loopback but one, the TCP store
+    torch.distributed serves on rank 0 at MASTER_PORT, which binds every interface (``::``,
+    torch's own behaviour, as under torchrun; docs/cli.md says so)."""
     reference = {}
     # The torchrun reference runs alongside (same seed: bitwise-deterministic whatever the timing).
     thread = threading.Thread(target=lambda: reference.setdefault("run", run_titan(
         "llama3_debugmodel_pp2_1f1b", "piper", dump_folder=tmp_path / "torchrun", steps=3,
         extra=["--training.seq_len", "64", "--debug.seed", "42"], timeout_s=300)))
     thread.start()
+    wide, polled, done = set(), [0], threading.Event()
+    watcher = threading.Thread(target=_watch_listeners, args=(wide, polled, done))
+    watcher.start()
     monkeypatch.chdir(tmp_path)  # the ranks' working directory: TorchTitan's ./outputs lands here
-    code = main(["launch", "--nproc", "2", "--timeout", "300", "--", *ARGS])
+    code = main(["launch", "--nproc", "2", "--timeout", "300", "--", "--module", "test_titan_launch",
+                 "--config", "llama3_says_its_rendezvous_port", *ARGS[2:]])
+    done.set()
+    watcher.join(30)
     thread.join(timeout=310)
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
@@ -91,6 +125,8 @@ def test_launch_trains_like_torchrun(ray_cluster, tmp_path, monkeypatch, capsys)
         assert all("mfu: N/A" in line for line in mine if "step:" in line)
         assert sum("prints the loss" in line for line in mine) == (rank == 1)
     assert "Piper: rank 1 prints the loss (it holds the last pipeline stage" in out
+    port = int(re.search(r"rendezvous port (\d+)", out).group(1))
+    assert polled[0] >= 3 and wide == {("::", port)}, (polled, wide, port)
 
 
 def test_titan_log_filter_says_true_lines_once(monkeypatch):
@@ -201,3 +237,4 @@ def test_launch_runs_the_megatron_entry_on_ray_actors(ray_cluster, tmp_path, mon
     assert [line.split("iteration")[1].split("/")[0].strip() for line in logged] == ["1", "2", "3"], out[-3000:]
     assert "> pipeline engine: piper" in out
     assert _wait_no_rank_actors() == []
+

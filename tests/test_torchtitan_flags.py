@@ -7,8 +7,9 @@ engine within 1e-4 relative, and the artefacts the flags ask for. Rows covered e
 selective activation checkpointing (the stock configs of ``test_torchtitan_parity``), full
 activation checkpointing, bf16 parameters and DCP checkpoints crossing engines
 (``test_torchtitan_zero``), validation (``test_torchtitan_parity``'s issue command), DCP save /
-resume (``test_torchtitan_checkpoint``); CUDA memory snapshots on CPU are refused by name
-(``test_torchtitan_flag_errors``). Interleaved1F1B with compile was checked by hand (it
+resume (``test_torchtitan_checkpoint``); CUDA memory snapshots and CUDA graphs on CPU are
+refused by name (``test_torchtitan_flag_errors``). ``--checkpoint.initial_load_path`` has its
+own test below (a job that saves, then one per engine that starts from it). Interleaved1F1B with compile was checked by hand (it
 splits no backward but the last, as 1F1B).
 
 torch.compile runs with ``--compile.backend aot_eager``: AOTAutograd's graphs with donated
@@ -79,3 +80,18 @@ def test_flag_row_matches_torchtitan(tmp_path, row, config, both, piper_only, ex
         assert any((dump / "tb").rglob("events.out.tfevents.*")), sorted(p.name for p in dump.rglob("*"))
         assert any((dump / "profiling").rglob("*trace*.json*")), sorted(str(p) for p in dump.rglob("*"))
         assert "gradient accumulation steps 2" in piper.log, piper.tail()
+
+
+def test_initial_load_path_starts_both_engines_from_the_same_weights(tmp_path):
+    """``--checkpoint.initial_load_path``: a fresh job starts from another job's DCP checkpoint
+    (model only, TorchTitan's default). Saved by TorchTitan's engine at step 2, loaded by each
+    engine: the same losses and grad norms, and not those of a start from the seed."""
+    config = "llama3_debugmodel_pp2_1f1b"
+    source = _run(tmp_path, "source", config, "torch", ["--checkpoint.enable", "--checkpoint.interval", "2"])
+    step2 = tmp_path / "source" / "checkpoint" / "step-2"
+    assert step2.is_dir(), sorted(str(p) for p in (tmp_path / "source").rglob("*"))[:40]
+    load = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(step2)]
+    reference = _run(tmp_path, "torch", config, "torch", load)
+    piper = _run(tmp_path, "piper", config, "piper", load)
+    _same(reference, piper)
+    assert abs(piper.losses[1] - source.losses[1]) > 1e-3 * source.losses[1], (piper.losses, source.losses)

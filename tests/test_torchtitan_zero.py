@@ -68,10 +68,9 @@ def test_simulated_memory_matches_the_measured_peak(tmp_path):
 
 
 # (config, schedule flags, Piper-only flags, the plan line Piper logs); ZeRO-3 gathers block by block
+# (Interleaved1F1B x ZeRO 1-3 for llama3 and deepseek_v3: benchmarks/results/zero_parity.md, out of the
+# suite for its time)
 COMBOS = [
-    ("llama3_debugmodel_pp2_1f1b", ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                    "--parallelism.fsdp_reshard_after_forward", "always"], [],
-     "recipe interleaved-1f1b, 4 stages on 2 ranks x ZeRO-3"),
     # TorchTitan's own split backward drops a gradient with the chunked loss (see test_torchtitan_parity),
     # and its DualPipeV with FSDP's reshard after forward ("always") changes the gradients: the
     # reference is "never", against Piper's ZeRO-3 with its split backward over gathered blocks
@@ -86,7 +85,7 @@ COMBOS = [
 
 
 @pytest.mark.parametrize("config, extra, piper_extra, expect", COMBOS,
-                         ids=["llama3-interleaved", "llama3-dualpipev", "llama3-ac-full"])
+                         ids=["llama3-dualpipev", "llama3-ac-full"])
 def test_schedules_and_models_match_torchtitan_fsdp(tmp_path, config, extra, piper_extra, expect):
     fsdp = _run(tmp_path, "torch", config, "torch", extra)
     piper = _run(tmp_path, "piper", config, "piper", [*piper_extra, *extra])

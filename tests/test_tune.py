@@ -47,6 +47,7 @@ def test_candidates_give_every_data_shard_whole_samples_and_zero_only_with_data_
     assert len({(c.pp, c.dp, c.zero, c.microbatches) for c in found}) == len(found)  # 1f1b ignores chunks: once
 
 
+@pytest.mark.slow
 def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
     cost = CostModel.cpu_default()
     space = dict(recipes=["1f1b", "zb-h1", "interleaved-1f1b"], zero_levels=(0, 3), microbatches=(1, 2, 4, 8))

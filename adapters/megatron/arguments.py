@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=100)
     train.add_argument("--use-distributed-optimizer", action="store_true")
+    train.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                       help="activation recomputation, as Megatron-LM's (full needs --recompute-method)")
+    train.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    train.add_argument("--recompute-num-layers", type=int, default=None)
+    train.add_argument("--bf16", action="store_true", help="refused: this entry computes in float32")
+    train.add_argument("--fp16", action="store_true", help="refused: this entry computes in float32")
     par = p.add_argument_group("parallelism")
     par.add_argument("--tensor-model-parallel-size", type=int, default=1)
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -105,6 +111,16 @@ def validate(args: argparse.Namespace, world: int) -> None:
                  "pipeline_model_parallel_size", "tensor_model_parallel_size", "expert_model_parallel_size"):
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a positive integer")
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag):
+            raise ArgumentError(f"--{flag}: this entry builds float32 models (Megatron's Float16Module and loss "
+                                f"scaling are not wired here); drop --{flag}")
+    if args.recompute_granularity == "full" and (args.recompute_method is None or not args.recompute_num_layers):
+        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block and "
+                            "--recompute-num-layers N, as in Megatron-LM")
+    if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
+        raise ArgumentError("--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
+                            "add it or drop them")
     if args.tensor_model_parallel_size != 1:
         raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this entry runs "
                             f"pipeline x data x expert parallelism; set it to 1")

@@ -69,6 +69,8 @@ def transformer_config(args):
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         batch_p2p_comm=not on_cpu(), **moe)  # gloo: batched p2p is wrong at pp=2 (HOST_FRAMEWORKS.md)
 
 
