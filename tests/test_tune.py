@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from piper_plugin.calibrate import cost_model, fit_compute, fit_messages
+from piper_plugin.cli import main
 from piper_plugin.compiler import compile_program
 from piper_plugin.ir.capture import capture
 from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
@@ -29,9 +29,12 @@ def _program(stages: int):
     return capture(model, lm_loss, (tokens,), targets)
 
 
-def _piper(*argv):
-    return subprocess.run([sys.executable, "-m", "piper_plugin.cli", *argv], capture_output=True, text=True,
-                          timeout=300)
+def _piper(capsys, *argv) -> subprocess.CompletedProcess:
+    """``piper <argv>`` in this process (its ranks fork from the fork server, as under the CLI)."""
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def test_grids_are_every_factorisation_of_the_ranks():
@@ -89,39 +92,39 @@ def test_fits_recover_known_coefficients():
 
 
 @pytest.mark.slow
-def test_a_profile_that_is_not_one_names_the_file_and_the_fix(tmp_path):
+def test_a_profile_that_is_not_one_names_the_file_and_the_fix(tmp_path, capsys):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"compute": {}}))
     with pytest.raises(ValueError, match=r"cost profile .*p.json.* is not one `piper calibrate` wrote.*--out"):
         cost_model(bad)
-    run = _piper("tune", "--ranks", "2", "--profile", str(bad))
+    run = _piper(capsys, "tune", "--ranks", "2", "--profile", str(bad))
     assert run.returncode == 2 and run.stderr.count("piper: error:") == 1 and "piper calibrate" in run.stderr
 
 
 @pytest.mark.slow
-def test_nothing_under_the_cap_is_one_line_naming_the_smallest_plan():
-    run = _piper("tune", "--ranks", "2", "--layers", "4", "--memory-cap", "1KiB")
+def test_nothing_under_the_cap_is_one_line_naming_the_smallest_plan(capsys):
+    run = _piper(capsys, "tune", "--ranks", "2", "--layers", "4", "--memory-cap", "1KiB")
     assert run.returncode == 2, run.stderr
     (line,) = [l for l in run.stderr.splitlines() if l.startswith("piper: error:")]
     assert "no plan fits --memory-cap 1.0 KiB" in line and "the smallest plan needs" in line
 
 
 @pytest.mark.slow
-def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path):
+def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     """The whole loop on 2 forked ranks: a measured profile, a search with it, and the best
     plan's file replayed by ``piper train`` (its grid and microbatches come from the file)."""
     profile, best = tmp_path / "profile.json", tmp_path / "best.json"
     sizes = ["--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH)]
-    cal = _piper("calibrate", *sizes, "--out", str(profile))
+    cal = _piper(capsys, "calibrate", *sizes, "--out", str(profile))
     assert cal.returncode == 0, cal.stderr[-3000:]
     data = json.loads(profile.read_text())
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
     assert data["latency_s"] > 0 and all(c >= 0 for cs in data["compute"].values() for c in cs)
     assert len(data["jobs"]) >= 4 and all(j["predicted_step_s"] > 0 < j["measured_step_s"] for j in data["jobs"])
-    tune = _piper("tune", *sizes, "--profile", str(profile), "--out", str(best))
+    tune = _piper(capsys, "tune", *sizes, "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
     first = next(l for l in tune.stdout.splitlines() if l.split()[:1] == ["1"])
-    train = _piper("train", "--recipe-file", str(best), "--layers", str(LAYERS), "--batch", str(BATCH),
+    train = _piper(capsys, "train", "--recipe-file", str(best), "--layers", str(LAYERS), "--batch", str(BATCH),
                    "--steps", "2", "--launcher", "fork")
     assert train.returncode == 0, train.stderr[-3000:]
     trace = json.loads(best.read_text())
