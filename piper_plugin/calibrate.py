@@ -71,13 +71,13 @@ def fit_messages(samples: list[tuple[int, float]]) -> tuple[float, float]:
 
 def _message_body(repeats: int) -> Callable:
     """In every rank (a forked worker with its default group): one-way times of ping-pongs between
-    ranks 0 and 1, then all-reduce times over every rank (rank 0 reports)."""
+    ranks 0 and 1 (rank 0 reports)."""
     def body(worker) -> dict[str, list[tuple[int, float]]]:
         import torch
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        p2p, reduce = [], []
+        p2p = []
         for nbytes in MESSAGE_BYTES:
             buf = torch.zeros(nbytes // 4)
             dist.barrier()
@@ -93,14 +93,7 @@ def _message_body(repeats: int) -> Callable:
                         dist.send(buf, 0)
                     times.append((time.perf_counter() - start) / 2)
                 p2p.append((nbytes, sorted(times)[len(times) // 2]))
-            dist.barrier()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                dist.all_reduce(buf)
-                times.append(time.perf_counter() - start)
-            reduce.append((nbytes, sorted(times)[len(times) // 2]))
-        return {"p2p": p2p, "all_reduce": reduce}
+        return {"p2p": p2p}
     return body
 
 
@@ -119,12 +112,9 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     for recipe, grid, m, zero in CALIBRATION_JOBS:
         pp = ranks if grid == "all" else 1
         dp = ranks // pp
-        if batch % (dp * m):
+        if batch % (dp * m) or zero and dp == 1:
             continue
         stages = load(recipe).stages(pp, 1)
-
-        if zero and dp == 1:
-            continue
 
         def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m, zero=zero):
             return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=zero, chunks=1)
@@ -171,11 +161,17 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
             "jobs": jobs}
 
 
-def _predict(compute: dict[str, list[float]], latency: float, per_byte: float, plans: list) -> list[float]:
+def _model(compute: dict[str, Any], latency: float, per_byte: float):
     from piper_plugin.scheduler.cost import CostModel
+
+    return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=latency,
+                     seconds_per_byte=per_byte)
+
+
+def _predict(compute: dict[str, list[float]], latency: float, per_byte: float, plans: list) -> list[float]:
     from piper_plugin.scheduler.simulate import simulate
 
-    cost = CostModel(linear={k: tuple(v) for k, v in compute.items()}, latency=latency, seconds_per_byte=per_byte)
+    cost = _model(compute, latency, per_byte)
     return [simulate(plan, cost).step_time for plan in plans]
 
 
@@ -192,18 +188,13 @@ def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list
 
 def cost_model(profile: dict[str, Any] | str | Path):
     """The :class:`~piper_plugin.scheduler.cost.CostModel` of a profile (or its JSON file)."""
-    from piper_plugin.scheduler.cost import CostModel
-
-    if not isinstance(profile, dict):
-        path = Path(profile)
-        try:
-            profile = json.loads(path.read_text())
-            compute = {k: tuple(float(c) for c in v) for k, v in profile["compute"].items()}
-            latency, per_byte = float(profile["latency_s"]), float(profile["seconds_per_byte"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"cost profile {str(path)!r} is not one `piper calibrate` wrote "
-                             f"({type(exc).__name__}: {exc}); write one with `piper calibrate --out FILE`") from None
-    else:
-        compute = {k: tuple(float(c) for c in v) for k, v in profile["compute"].items()}
-        latency, per_byte = float(profile["latency_s"]), float(profile["seconds_per_byte"])
-    return CostModel(linear=compute, latency=latency, seconds_per_byte=per_byte)
+    where = "" if isinstance(profile, dict) else str(profile)
+    try:
+        if where:
+            profile = json.loads(Path(where).read_text())
+        return _model(profile["compute"], float(profile["latency_s"]), float(profile["seconds_per_byte"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        if not where:
+            raise
+        raise ValueError(f"cost profile {where!r} is not one `piper calibrate` wrote "
+                         f"({type(exc).__name__}: {exc}); write one with `piper calibrate --out FILE`") from None

@@ -14,6 +14,7 @@ cost model, so step times compare; a candidate is scored only from its own compi
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -102,13 +103,13 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
 
     programs: dict[int, Any] = {}
     duplicates = 0
-    fitting, over, refused, hashes = [], [], {}, set()
+    fitting, over, refused, hashes = [], [], Counter(), set()
     for cand in candidates(ranks, batch, experts=experts, recipes=list(recipes or RECIPES),
                            zero_levels=zero_levels, microbatches=microbatches, chunks=chunks):
         recipe = load(cand.recipe)
         stages = recipe.stages(cand.pp, cand.chunks)
         if max_stages is not None and stages > max_stages:
-            refused[f"needs more than {max_stages} stages"] = refused.get(f"needs more than {max_stages} stages", 0) + 1
+            refused[f"needs more than {max_stages} stages"] += 1
             continue
         try:
             if stages not in programs:
@@ -117,8 +118,7 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
             _, sch, plan, result = compile_program(
                 programs[stages], lambda p: recipe.schedule(p, chunks=cand.chunks, **settings), cost=cost)
         except (RecipeError, ValueError) as exc:  # DirectiveError and PlanError are ValueErrors
-            reason = _reason(exc)
-            refused[reason] = refused.get(reason, 0) + 1
+            refused[_reason(exc)] += 1
             continue
         if plan.hash() in hashes:
             duplicates += 1
@@ -130,7 +130,7 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
         (fitting if memory_cap is None or peak <= memory_cap else over).append(scored)
     fitting.sort(key=lambda s: (s.step_time, s.peak_bytes, s.candidate.label()))
     over.sort(key=lambda s: (s.peak_bytes, s.step_time, s.candidate.label()))
-    return TuneResult(fitting, over, refused, duplicates)
+    return TuneResult(fitting, over, dict(refused), duplicates)
 
 
 def _reason(exc: Exception) -> str:

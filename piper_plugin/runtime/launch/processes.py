@@ -164,7 +164,7 @@ def _raise_first_cause(procs, finished, errors, out, patience_s: float, grace_s:
         if cause is not None and (not chained or waited >= grace_s + patience_s or not quiet
                                   or len(quiet) == 1 and waits_on(cause[1]) - reported - {cause[0]}):
             raise WorkerFailed(*cause)
-        if cause is None and waited >= grace_s:
+        if cause is None:
             return
 
 
