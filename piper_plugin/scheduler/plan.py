@@ -12,6 +12,7 @@ the plan finishes before anything runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from itertools import chain
 import heapq
@@ -23,6 +24,7 @@ from piper_plugin.ir.graph import DAG, gc_paused
 from piper_plugin.ir.nodes import COMPUTE, Kind, Node
 from piper_plugin.ir.rank_grid import RankGrid
 from piper_plugin.scheduler.lowering import lower_rank_plan
+from piper_plugin.scheduler.symmetry import representatives
 
 __all__ = ["Plan", "RankPlan", "build_plan", "PlanError"]
 
@@ -60,6 +62,11 @@ class Plan:
     dag: DAG
     order: list[str]
     ranks: list[RankPlan]
+    representative: list[int] = field(default_factory=list)  # per rank: the dp replica whose plan it copies
+
+    def __post_init__(self) -> None:
+        if not self.representative:
+            self.representative = list(range(len(self.ranks)))
 
     @property
     def microbatches(self) -> int:
@@ -207,8 +214,15 @@ def build_plan(dag: DAG, grid: RankGrid, *, split_last_backward: bool = True) ->
     edges). ``split_last_backward=False``: every B runs as one pass (see :mod:`.lowering`)."""
     with gc_paused():
         plan = _build_plan(dag, grid)
-    for rank_plan in plan.ranks:
-        lower_rank_plan(plan.dag, rank_plan, split_last_backward=split_last_backward)
+    rep = plan.representative
+    for r, rank_plan in enumerate(plan.ranks):
+        if rep[r] == r:
+            lower_rank_plan(plan.dag, rank_plan, split_last_backward=split_last_backward)
+    for r in range(len(plan.ranks)):
+        if rep[r] != r:  # a dp replica: a copy of its class's plan (each rank's plan is its own)
+            src = plan.ranks[rep[r]]
+            plan.ranks[r] = dataclasses.replace(src, rank=r, streams={s: list(keys) for s, keys in src.streams.items()},
+                                                deps=dict(src.deps), post_bytes=dict(src.post_bytes))
     return plan
 
 
@@ -228,6 +242,8 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
                         f"than its sender sends them ({exc})") from None
     nodes, data_pred, temporal_pred = dag.nodes, dag.data_pred, dag.temporal_pred
     ranks = [RankPlan(r) for r in range(grid.world_size)]
+    rep = representatives(dag, grid)  # dp replicas share their class's plan: build it once
+    builds = [r == rep[r] for r in range(grid.world_size)]
     unplaced = None  # reported after every order edge is checked
     for key in order:
         node = nodes[key]
@@ -239,6 +255,8 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
                 if r not in nodes[pred].devices:
                     raise PlanError(f"order edge {pred} -> {key} joins nodes on different ranks; "
                                     f"only data (comm) edges may cross ranks")
+            if not builds[r]:
+                continue
             deps = [p for p in data_pred[key] if r in nodes[p].devices]
             if temporal:
                 deps.extend(sorted(temporal))  # sets iterate in hash order: sort for a stable plan hash
@@ -259,6 +277,8 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
         preds = [(p, nodes[p].devices) for p in data_pred[key]]
         preds += [(p, nodes[p].devices) for p in sorted(temporal)]
         for r in devices:
+            if not builds[r]:
+                continue
             rp = ranks[r]
             stream = rp.streams.get(node.stream)
             if stream is None:
@@ -267,4 +287,4 @@ def _build_plan(dag: DAG, grid: RankGrid) -> Plan:
             rp.deps[key] = tuple(p for p, on in preds if r in on)
     if unplaced is not None:
         raise PlanError(f"node {unplaced} has no devices: place its region")
-    return Plan(grid=grid, dag=dag, order=order, ranks=ranks)
+    return Plan(grid=grid, dag=dag, order=order, ranks=ranks, representative=rep)

@@ -38,8 +38,10 @@ class TransientMemory:
     runtime lets go of completed sends as a compute task starts, so at the start of the
     sender's first compute task after the matching RECV finished (or at the step's end)."""
 
-    def __init__(self, plan: Plan, shards: int, post_budget: int):
+    def __init__(self, plan: Plan, shards: int, post_budget: int, representative: list[int]):
+        """``representative``: per rank, the rank simulated for it (a dp replica's class)."""
         self.plan, self.shards, self.post_budget = plan, shards, post_budget
+        self.representative = representative
         world = plan.grid.world_size
         self.events: list[list[tuple[float, int]]] = [[] for _ in range(world)]
         self.waiting: list[dict[str, tuple[int, set[str]]]] = [{} for _ in range(world)]
@@ -72,7 +74,7 @@ class TransientMemory:
             self.sent[(key, r)] = node.bytes
         elif node.kind == Kind.RECV and node.bytes:
             dag = self.plan.dag
-            sender = self.plan.grid.peer(r, dag.meta.placement[dag.nodes[node.peer].region])
+            sender = self.representative[self.plan.grid.peer(r, dag.meta.placement[dag.nodes[node.peer].region])]
             self.arrived[sender].append((finish, self.sent.pop((node.peer, sender))))
         if node.bucket is not None and node.kind in _BUCKET_COLLECTIVES:
             self._collective(r, node, start, finish)
@@ -196,8 +198,13 @@ class TransientMemory:
         self.arrived[r] = waiting
 
     def peaks(self) -> list[int]:
+        """Per rank; a dp replica the simulator did not run has its class's peak."""
         out = []
+        rep = self.representative
         for r, receives in enumerate(self.receives):
+            if rep[r] != r:
+                out.append(out[rep[r]])
+                continue
             events = list(self.events[r]) + _bucket_spans(self.gathers[r].values())
             for stream in self.plan.ranks[r].posted:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]

@@ -12,7 +12,6 @@ plus the peak of what comes and goes (:mod:`.sim_memory`).
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
@@ -80,6 +79,19 @@ def static_memory(plan: Plan) -> list[dict[str, int]]:
     return out
 
 
+def _simulated(plan: Plan) -> list[int]:
+    """Per rank, the rank simulated for it: ``plan.representative`` while every replica's plan
+    still equals its class's (a plan edited after :func:`build_plan` may differ), else itself."""
+    rep = plan.representative
+    for r, rank_plan in enumerate(plan.ranks):
+        if rep[r] != r:
+            other = plan.ranks[rep[r]]
+            if (rank_plan.streams, rank_plan.deps, rank_plan.fused, rank_plan.split_first, rank_plan.posted) != \
+                    (other.streams, other.deps, other.fused, other.split_first, other.posted):
+                return list(range(len(plan.ranks)))
+    return rep
+
+
 def simulate(plan: Plan, cost: CostModel | None = None, post_budget: int = POST_BUDGET) -> SimResult:
     """``post_budget``: the runtime's receive-posting budget (:mod:`.posting`), for memory."""
     with gc_paused():
@@ -92,16 +104,21 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     nodes = dag.nodes
     world = grid.world_size
     shards = plan.microbatches * grid.data_shards
+    # dp replicas with one plan (plan.representative) have identical timelines: only one per
+    # class runs; ties at one time go by the global order, never by rank (so they stay so)
+    rep = _simulated(plan)
+    runs = [r for r in range(world) if rep[r] == r]
+    position = {key: i for i, key in enumerate(plan.order)}
     heap: list[tuple[float, int, int, str]] = []
-    counter = itertools.count(1)
     heappush, heappop = heapq.heappush, heapq.heappop
     # Per rank: stream -> [its tasks, position of its head, when it is free]; task -> local
     # deps left (-1 once handed to the event heap), local users, finish time.
-    streams = [{s: [keys, 0, 0.0] for s, keys in rp.streams.items()} for rp in plan.ranks]
+    streams = [{s: [keys, 0, 0.0] for s, keys in rp.streams.items()} if rep[rp.rank] == rp.rank else {}
+               for rp in plan.ranks]
     deps = [rp.deps for rp in plan.ranks]
-    left = [{k: len(d) for k, d in rp.deps.items()} for rp in plan.ranks]
+    left = [{k: len(d) for k, d in plan.ranks[r].deps.items()} if rep[r] == r else {} for r in range(world)]
     users: list[dict[str, list[str]]] = [{} for _ in range(world)]
-    for r in range(world):
+    for r in runs:
         users_r = users[r]
         for k, ds in plan.ranks[r].deps.items():
             for d in ds:
@@ -114,33 +131,36 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
     timeline = []
-    memory = TransientMemory(plan, shards, post_budget)
+    memory = TransientMemory(plan, shards, post_budget, rep)
     on_task = memory.on_task
     placement = dag.meta.placement
-    group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
+    # (axis, devices) -> rank -> (its group, the group's simulated members)
+    group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
     RECV, SEND = Kind.RECV, Kind.SEND
     # a BI of a region whose backward does not split runs the whole backward: it costs its BW
     # too, and that BW nothing (a BI fused with the BW right after it keeps the two costs)
     whole = [{key: format_key(nodes[key].region, Kind.BW, nodes[key].microbatch, nodes[key].qual)
-              for key in rp.fused if not backward_splits(dag, nodes[key].region)} for rp in plan.ranks]
+              for key in rp.fused if not backward_splits(dag, nodes[key].region)} if rep[rp.rank] == rp.rank else {}
+             for rp in plan.ranks]
     emptied = [set(w.values()) for w in whole]
 
-    def group(node, r: int) -> tuple[int, ...]:
-        """The group of ``node``'s collective that holds rank ``r``."""
+    def group(node, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The group of ``node``'s collective that holds rank ``r``, and its simulated members."""
         by_rank = group_of.get((node.axis, node.devices))
         if by_rank is None:
             by_rank = group_of[(node.axis, node.devices)] = {}
             for g in grid.groups(node.axis, node.devices):
+                simulated = tuple(sorted({rep[member] for member in g}))
                 for member in g:
-                    by_rank.setdefault(member, g)
+                    by_rank.setdefault(member, (g, simulated))
         return by_rank[r]
 
     def peer_of(r: int, key: str, node) -> int:
-        """The rank on the other side of a SEND / RECV ``node`` on rank ``r``."""
+        """The simulated rank on the other side of a SEND / RECV ``node`` on rank ``r``."""
         got = peer_rank[r].get(key)
         if got is None:
-            got = peer_rank[r][key] = grid.peer(r, placement[nodes[node.peer].region])
+            got = peer_rank[r][key] = rep[grid.peer(r, placement[nodes[node.peer].region])]
         return got
 
     def try_head(r: int, state: list) -> None:
@@ -164,23 +184,23 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             if sent > t:
                 t = sent
         elif kind in COLLECTIVES:
-            members = group(node, r)
+            members = group(node, r)[1]
             got = arrivals.setdefault((key, members), {})
             got[r] = t
             left_r[key] = -1
             if len(got) == len(members):
                 start = max(got.values())
                 for member in members:
-                    heappush(heap, (start, next(counter), member, key))
+                    heappush(heap, (start, position[key], member, key))
             return
         left_r[key] = -1
-        heappush(heap, (t, next(counter), r, key))
+        heappush(heap, (t, position[key], r, key))
 
-    for r in range(world):
+    for r in runs:
         for state in streams[r].values():
             try_head(r, state)
     done = 0
-    total = sum(len(rp.deps) for rp in plan.ranks)
+    total = sum(len(plan.ranks[r].deps) for r in runs)
     while heap:
         t, _, r, key = heappop(heap)
         node = nodes[key]
@@ -188,7 +208,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
         if node.is_compute:
             free = compute_free[r]
             if free > t:
-                heappush(heap, (free, next(counter), r, key))
+                heappush(heap, (free, position[key], r, key))
                 continue
             start = t
             if key in emptied[r]:
@@ -201,7 +221,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             busy[r] += duration  # an UPDATE is compute too, as in a measured timeline
         else:
             start = t
-            size = len(group(node, r)) if node.axis else 2
+            size = len(group(node, r)[0]) if node.axis else 2
             duration = 0.0 if kind == RECV else cost.comm(node, size)
         finish = start + duration
         stream = node.stream
@@ -229,13 +249,19 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             try_head(dst, streams[dst][nodes[node.peer].stream])
     if done != total:
         heads = []
-        for r, s in sorted((r, s) for r in range(world) for s in streams[r]):
+        for r, s in sorted((r, s) for r in runs for s in streams[r]):
             keys, i, _ = streams[r][s]
             if i < len(keys):
                 heads.append(f"rank {r} {s}: {keys[i]}")
         raise DeadlockError("plan deadlocks; blocked stream heads: " + "; ".join(heads[:16]))
     step = max((f for end_r in end for f in end_r.values()), default=0.0)
     peaks = memory.peaks()
+    if len(runs) < world:  # each replica's timeline is its class's
+        members: dict[int, list[int]] = {}
+        for r in range(world):
+            members.setdefault(rep[r], []).append(r)
+        timeline = [(m, *entry[1:]) for entry in timeline for m in members[entry[0]]]
+        busy = [busy[rep[r]] for r in range(world)]
     static = static_memory(plan)
     return SimResult(step_time=step, busy=busy, timeline=timeline, static_bytes=static,
                      peak_transient_bytes=peaks,
