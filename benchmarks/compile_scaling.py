@@ -86,6 +86,7 @@ def main() -> None:
             + " | total s | compile s | us/node | DAG us/node |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     print(head)
+    rows = []
     for size in args.sizes:
         pp, m, *rest = map(int, size.lower().split("x"))
         dp = rest[0] if rest else 1
@@ -97,6 +98,7 @@ def main() -> None:
                + f" | {compile_s + r['build']:.2f} | {compile_s:.2f} | {1e6 * compile_s / r['nodes']:.1f}"
                + f" | {1e6 * dag_s / r['nodes']:.1f} |")
         lines.append(row)
+        rows.append(r)
         print(row, flush=True)
     import torch
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -112,10 +114,30 @@ def main() -> None:
         "one-time import of torch._dynamo; `total`: every phase; `compile`: capture + passes + plan + "
         "simulate; `us/node`: compile / nodes of the scheduled DAG; `DAG us/node`: (passes + plan + "
         "simulate) / nodes (flat = linear growth).", "",
-        *lines, ""])
+        *lines, "", f"Growth curve: [{Path(args.out).stem}.png]({Path(args.out).stem}.png)", ""])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    _plot(rows, Path(args.out).with_suffix(".png"), args.recipe)
     print(f"wrote {args.out}")
+
+
+def _plot(rows: list[dict], path: Path, recipe: str) -> None:
+    """Seconds per phase against the scheduled DAG's nodes, log-log (slope 1: linear growth)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    nodes = [r["nodes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for phase in ("capture", "passes", "plan", "simulate"):
+        ax.plot(nodes, [r[phase] for r in rows], marker="o", label=phase)
+    ax.plot(nodes, [sum(r[p] for p in PHASES) for r in rows], marker="s", color="black", label="total")
+    ax.set(xscale="log", yscale="log", xlabel="nodes of the scheduled DAG", ylabel="seconds",
+           title=f"Compile time vs DAG size ({recipe})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Data-parallel symmetry: the scheduler builds one plan per class of dp replicas and the
 simulator runs one replica per class; both must give exactly what building and simulating every
 rank gives. Random strategies (the fuzzer's, at dp=2, with and without expert parallelism) are
-simulated twice, collapsed and rank by rank, under unit costs (many ties) and the CPU profile."""
+simulated twice, collapsed and rank by rank, under unit costs (many ties) and the CPU profile
+(a long probe of 300 draws found no difference)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,10 +35,7 @@ def _same(collapsed, full) -> None:
     assert sorted(collapsed.timeline) == sorted(full.timeline)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(strategies().map(lambda spec: {**spec, "dp": 2}))
-def test_collapsed_simulation_equals_every_rank_simulated(spec):
+def _check(spec: dict) -> None:
     plan = _plan(spec)
     assume(plan is not None)
     rep = plan.representative
@@ -47,6 +45,24 @@ def test_collapsed_simulation_equals_every_rank_simulated(spec):
         assert rank_plan.rank == r and rank_plan.streams == other.streams and rank_plan.deps == other.deps
     for cost in COSTS:
         _same(simulate(plan, cost), simulate(_rank_by_rank(plan), cost))
+
+
+_SETTINGS = dict(deadline=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+_DP2 = strategies().map(lambda spec: {**spec, "dp": 2})
+
+
+@settings(max_examples=4, **_SETTINGS)
+@given(_DP2)
+def test_collapsed_simulation_equals_every_rank_simulated_fast(spec):
+    _check(spec)
+
+
+@pytest.mark.slow
+@settings(max_examples=40, **_SETTINGS)
+@given(_DP2)
+def test_collapsed_simulation_equals_every_rank_simulated(spec):
+    _check(spec)
 
 
 def _schedule(dp: int = 2):
