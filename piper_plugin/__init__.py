@@ -14,7 +14,8 @@ nothing else from the engine.
 - recipes: :mod:`piper_plugin.recipes` (``recipes.load(name | file.py | trace.json)``)
 - compile: :func:`compile` / :func:`compile_program` -> :class:`Compiled` (program, schedule,
   plan, simulation); its steps: :func:`build_plan` -> :class:`Plan`, :func:`simulate` ->
-  :class:`SimResult`; a run's measured timelines as a result of the same kind:
+  :class:`SimResult` (under a :class:`CostModel`: unit costs, FLOPs at a rate, measured or
+  calibrated times); a run's measured timelines as a result of the same kind:
   :func:`measured_result`, and the cost model they imply: :func:`measured_costs`, drawn beside
   the simulation by :func:`write_trace` (Chrome trace and timeline PNGs); overlap
   blocks in a measured timeline: :func:`overlap_blocks` (a plan rank's blocks) and
@@ -40,6 +41,7 @@ from piper_plugin.ir.activations import region_memory
 from piper_plugin.ir.capture import CaptureError, Program, capture
 from piper_plugin.ir.graph import Region
 from piper_plugin.scheduler.plan import Plan, PlanError, build_plan
+from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.simulate import SimResult, simulate
 from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
@@ -64,7 +66,7 @@ __all__ = [
     "capture", "Program", "Region", "region_memory",
     "Schedule", "DirectiveError",
     "recipes",
-    "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult",
+    "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult", "CostModel",
     "measured_result", "measured_costs", "write_trace", "overlap_blocks", "block_overlap",
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
