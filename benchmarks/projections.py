@@ -266,9 +266,12 @@ def main() -> None:
         "of memory because it does not re-shard parameters between microbatches. The simulator models Piper only, "
         "not TorchTitan: here the largest microbatch under 80 GB per ZeRO level is what it says. At 1.4B parameters "
         "over 8 pipeline ranks the kept state is a few GB per GPU and activations set the limit, so the level "
-        "moves the peak little; the 9B-like model below is where sharding the state counts.", "",
+        "moves the peak little.", "",
         f"## Dense 9B-like at PP=8 x DP=2 across ZeRO levels (1F1B, m=16, 1 sample of {DENSE_9B['seq']} tokens per "
         "microbatch)", "", *zero_9b_lines, "",
+        "What the simulator charges here: ZeRO-1 shards the AdamW state; ZeRO-2 and ZeRO-3, reduced (and gathered) "
+        "per microbatch as Piper runs them, also hold full-size gradient and gathered-parameter buffers while a "
+        "chunk runs, and ZeRO-3's gathers add messages to every chunk.", "",
         f"## MoE 9B-like ({schedules[0]['params'] / 1e9:.1f}B parameters, {MOE_9B['n_experts']} experts, top-"
         f"{MOE_9B['top_k']}), PP=2 x DP=2 x EP=2, ZeRO-1, m=4", "", *sched_lines, "",
         f"Beside the paper (A100s, measured): DualPipeV +13% over 1F1B on a 1B model and +10% over interleaved "
