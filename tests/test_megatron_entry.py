@@ -158,3 +158,18 @@ def test_activation_recomputation_flags_log_megatrons_losses(tmp_path):
                                                                 "--global-batch-size", "8", "--train-iters", "3"],
                             tmp_path)
     assert len(piper) == 3 and piper == pytest.approx(megatron, rel=1e-5, abs=0)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_and_grad_clipping_log_megatrons_losses(tmp_path):
+    """Megatron's ``DistributedOptimizer`` (pp 2 x dp 2) with ``--clip-grad 0.01``, far below the
+    gradients' norm, so clipping binds every iteration: the Piper engine logs the losses Megatron's
+    own engine logs (a flag Piper ignored would change them). Adam divides out a uniform scale, so
+    a large ``--adam-eps`` makes the update follow the gradient and the clip show in the losses."""
+    argv = BASE + ["--hidden-dropout", "0", "--attention-dropout", "0", "--pipeline-model-parallel-size", "2",
+                   "--global-batch-size", "8", "--train-iters", "3", "--adam-eps", "1.0", "--lr", "0.5",
+                   "--use-distributed-optimizer", "--clip-grad", "0.01"]
+    megatron, piper = _both(4, argv, tmp_path)
+    unclipped = _losses(4, argv[:-2] + ["--pipeline-engine=megatron"], tmp_path)
+    assert len(piper) == 3 and piper == pytest.approx(megatron, rel=1e-5, abs=0)
+    assert abs(unclipped[-1] - megatron[-1]) > 1e-3 * megatron[-1]  # the clip did bind
