@@ -117,8 +117,8 @@ def run_tune(args: argparse.Namespace) -> int:
                     max_stages=layers)
     scored = len(result.fitting) + len(result.over_cap)
     print(f"tune    {args.model}, {layers} layers, batch {batch}, {args.ranks} ranks, cost {cost_name}: "
-          f"{scored} distinct plans simulated ({result.duplicates} candidates gave a plan already seen), "
-          f"{sum(result.refused.values())} did not apply")
+          f"{scored} distinct plans simulated ({result.duplicates} candidates gave a plan already seen, "
+          f"{result.no_overlay} stream overlays found nothing to move), {sum(result.refused.values())} did not apply")
     for reason, count in sorted(result.refused.items(), key=lambda kv: -kv[1]):
         print(f"        {count:4d} x {reason}")
     if not result.fitting:

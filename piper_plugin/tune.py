@@ -1,8 +1,9 @@
 """Strategy search by simulation (``piper tune``).
 
 Every built-in recipe x every grid ``pp x dp x ep`` of the ranks x ZeRO level x microbatch
-count x chunks per rank is compiled on the same model and global batch and simulated with one
-cost model; what does not apply (too few microbatches, a stage count the model cannot cut, an
+count x chunks per rank x stream overlay (one kind of communication moved onto a logical stream
+of its own, so it runs beside the stream it came from) is compiled on the same model and global
+batch and simulated with one cost model; what does not apply (too few microbatches, a stage count the model cannot cut, an
 expert degree on a model without experts) is counted with its reason, not scored. Plans whose
 simulated peak memory on their fullest rank is above the cap are set aside; the rest are
 ranked by simulated step time, then by memory. The best one's directives are written as a
@@ -18,7 +19,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["Candidate", "Scored", "TuneResult", "grids", "candidates", "search"]
+__all__ = ["Candidate", "Scored", "TuneResult", "grids", "candidates", "search", "STREAM_OVERLAYS"]
+
+# node filters a stream overlay moves onto a stream of its own (None: the recipe's streams)
+STREAM_OVERLAYS = (None, "kind=SEND", "kind=ALL_TO_ALL", "kind=REDUCE_SCATTER", "kind=ALL_GATHER", "kind=ALL_REDUCE")
+OVERLAY_STREAM = "tuned"
 
 
 @dataclass(frozen=True)
@@ -32,11 +37,13 @@ class Candidate:
     zero: int
     microbatches: int
     chunks: int
+    stream: str | None = None  # a node filter moved onto its own stream (a stream overlay)
 
     def label(self) -> str:
         chunks = f" v={self.chunks}" if self.chunks > 1 else ""
+        stream = f" stream[{self.stream}]" if self.stream else ""
         return (f"{self.recipe} pp={self.pp} dp={self.dp} ep={self.ep} zero={self.zero} "
-                f"m={self.microbatches}{chunks}")
+                f"m={self.microbatches}{chunks}{stream}")
 
 
 @dataclass
@@ -57,6 +64,7 @@ class TuneResult:
     over_cap: list[Scored]  # above it, smallest peak first
     refused: dict[str, int]  # reason -> candidates that did not apply
     duplicates: int = 0  # candidates whose plan equals one scored before (e.g. every recipe at pp=1)
+    no_overlay: int = 0  # stream overlays whose filter matched nothing in that plan (the plan without it is scored)
 
 
 def grids(ranks: int, experts: bool) -> Iterator[tuple[int, int, int]]:
@@ -72,7 +80,8 @@ def grids(ranks: int, experts: bool) -> Iterator[tuple[int, int, int]]:
 
 
 def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str], zero_levels: Sequence[int],
-               microbatches: Sequence[int], chunks: Sequence[int]) -> Iterator[Candidate]:
+               microbatches: Sequence[int], chunks: Sequence[int],
+               streams: Sequence[str | None] = (None,)) -> Iterator[Candidate]:
     """The search space: a microbatch count must give every data shard (dp x ep of them) whole
     samples; chunks above 1 only for recipes that place several stages on a rank."""
     from piper_plugin.recipes import load
@@ -89,23 +98,26 @@ def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str],
             if stages in seen_stages:
                 continue  # a recipe that ignores chunks: once
             seen_stages.add(stages)
-            yield Candidate(name, pp, dp, ep, zero, m, v)
+            for stream in streams:
+                yield Candidate(name, pp, dp, ep, zero, m, v, stream)
 
 
 def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, experts: bool, cost: Any,
            memory_cap: float | None = None, recipes: Sequence[str] | None = None,
            zero_levels: Sequence[int] = (0, 1, 2, 3), microbatches: Sequence[int] = (1, 2, 4, 8, 16),
-           chunks: Sequence[int] = (1, 2), max_stages: int | None = None) -> TuneResult:
+           chunks: Sequence[int] = (1, 2), max_stages: int | None = None,
+           streams: Sequence[str | None] = STREAM_OVERLAYS) -> TuneResult:
     """Score every candidate. ``build_program(stages)`` captures the model cut into that many
-    stages (cached per count here); ``max_stages`` skips candidates needing more."""
+    stages (cached per count here); ``max_stages`` skips candidates needing more; ``streams``:
+    the stream overlays tried on every candidate."""
     from piper_plugin.compiler import compile_program
     from piper_plugin.recipes import RECIPES, RecipeError, load
 
     programs: dict[int, Any] = {}
-    duplicates = 0
+    duplicates = no_overlay = 0
     fitting, over, refused, hashes = [], [], Counter(), set()
     for cand in candidates(ranks, batch, experts=experts, recipes=list(recipes or RECIPES),
-                           zero_levels=zero_levels, microbatches=microbatches, chunks=chunks):
+                           zero_levels=zero_levels, microbatches=microbatches, chunks=chunks, streams=streams):
         recipe = load(cand.recipe)
         stages = recipe.stages(cand.pp, cand.chunks)
         if max_stages is not None and stages > max_stages:
@@ -116,7 +128,11 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
                 programs[stages] = build_program(stages)
             settings = dict(pp=cand.pp, dp=cand.dp, ep=cand.ep, microbatches=cand.microbatches, zero=cand.zero)
             _, sch, plan, result = compile_program(
-                programs[stages], lambda p: recipe.schedule(p, chunks=cand.chunks, **settings), cost=cost)
+                programs[stages], lambda p: _overlaid(recipe.schedule(p, chunks=cand.chunks, **settings), cand.stream),
+                cost=cost)
+        except _NoOverlay:
+            no_overlay += 1
+            continue
         except (RecipeError, ValueError) as exc:  # DirectiveError and PlanError are ValueErrors
             refused[_reason(exc)] += 1
             continue
@@ -130,7 +146,19 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
         (fitting if memory_cap is None or peak <= memory_cap else over).append(scored)
     fitting.sort(key=lambda s: (s.step_time, s.peak_bytes, s.candidate.label()))
     over.sort(key=lambda s: (s.peak_bytes, s.step_time, s.candidate.label()))
-    return TuneResult(fitting, over, dict(refused), duplicates)
+    return TuneResult(fitting, over, dict(refused), duplicates, no_overlay)
+
+
+class _NoOverlay(Exception):
+    """The candidate's stream overlay selects no node of its plan: it is the plan without it."""
+
+
+def _overlaid(sch: Any, stream: str | None) -> Any:
+    if stream is not None:
+        if not sch.nodes(stream):
+            raise _NoOverlay(stream)
+        sch.stream(stream, OVERLAY_STREAM)
+    return sch
 
 
 def _reason(exc: Exception) -> str:

@@ -17,7 +17,7 @@ from piper_plugin.ir.capture import capture
 from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
 from piper_plugin.recipes import load
 from piper_plugin.scheduler.cost import CostModel
-from piper_plugin.tune import candidates, grids, search
+from piper_plugin.tune import OVERLAY_STREAM, candidates, grids, search
 
 BATCH, LAYERS = 16, 4
 
@@ -58,6 +58,8 @@ def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
     cap = sorted(s.peak_bytes for s in every.fitting)[len(every.fitting) // 2]  # half the plans fit
     result = search(_program, 2, BATCH, experts=False, cost=cost, memory_cap=cap, max_stages=LAYERS, **space)
     assert result.fitting and result.over_cap and result.refused
+    overlaid = [s for s in every.fitting if s.candidate.stream]  # stream overlays give plans of their own
+    assert overlaid and every.no_overlay  # (and one that moves nothing is not scored twice)
     assert len(result.fitting) + len(result.over_cap) == len(every.fitting)
     assert all(s.peak_bytes <= cap for s in result.fitting)
     assert all(s.peak_bytes > cap for s in result.over_cap)
@@ -66,10 +68,13 @@ def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
     for s in result.fitting[:3] + result.over_cap[:2]:  # recompiled alone: the same figures
         c = s.candidate
         recipe = load(c.recipe)
-        _, _, _, sim = compile_program(
-            _program(recipe.stages(c.pp, c.chunks)),
-            lambda p: recipe.schedule(p, chunks=c.chunks, pp=c.pp, dp=c.dp, ep=c.ep, microbatches=c.microbatches,
-                                      zero=c.zero), cost=cost)
+
+        def schedule(p, c=c, recipe=recipe):
+            sch = recipe.schedule(p, chunks=c.chunks, pp=c.pp, dp=c.dp, ep=c.ep, microbatches=c.microbatches,
+                                  zero=c.zero)
+            return sch.stream(c.stream, OVERLAY_STREAM) if c.stream else sch
+
+        _, _, _, sim = compile_program(_program(recipe.stages(c.pp, c.chunks)), schedule, cost=cost)
         assert sim.step_time == s.step_time
         assert max(sum(st.values()) + t for st, t in zip(sim.static_bytes, sim.peak_transient_bytes)) == s.peak_bytes
 
