@@ -34,6 +34,7 @@ def test_region_flops_follow_the_matmul_and_attention_formulas():
         assert bi + bw == pytest.approx(2 * f_, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_projection_charges_the_profile_and_counts_tokens():
     r = projections.project(False, SIZES, "1f1b", 2, 2, 1, 1, 2)
     assert r["microbatches"] == 4
