@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency"]
+__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency",
+           "fit_latencies"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
 # (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level)
@@ -144,11 +145,11 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
     wire_latency, per_byte = fit_messages(measured["p2p"])
     compute = fit_compute(samples)
-    latency = fit_latency(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
-    predicted = _predict(compute, latency, per_byte, [plan for _, plan, _ in steps_measured])
+    latency, collective = fit_latencies(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
+    predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured])
     say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
         f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
-        f"{latency * 1e6:.0f} us")
+        f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective")
     jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
             for (name, _, step), p in zip(steps_measured, predicted)]
     for j in jobs:
@@ -156,34 +157,61 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
             f"measured {j['measured_step_s'] * 1e3:.1f} ms")
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
             "features": ["per task", "per op", "per forward FLOP of the microbatch", "per parameter byte"],
-            "compute": compute, "latency_s": latency, "seconds_per_byte": per_byte,
+            "compute": compute, "latency_s": latency, "collective_latency_s": collective, "seconds_per_byte": per_byte,
             "ping_pong_latency_s": wire_latency, "messages": measured, "tasks_measured": len(samples),
             "jobs": jobs}
 
 
-def _model(compute: dict[str, Any], latency: float, per_byte: float):
+def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float):
+    """``latencies``: (point to point, collective) seconds per message."""
+    from piper_plugin.ir.nodes import COLLECTIVES
     from piper_plugin.scheduler.cost import CostModel
 
-    return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=latency,
-                     seconds_per_byte=per_byte)
+    p2p, collective = latencies
+    return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=p2p,
+                     latency_by_kind={kind.value: collective for kind in COLLECTIVES}, seconds_per_byte=per_byte)
 
 
-def _predict(compute: dict[str, list[float]], latency: float, per_byte: float, plans: list) -> list[float]:
+def _predict(compute: dict[str, list[float]], latencies: tuple[float, float], per_byte: float,
+             plans: list) -> list[float]:
     from piper_plugin.scheduler.simulate import simulate
 
-    cost = _model(compute, latency, per_byte)
+    cost = _model(compute, latencies, per_byte)
     return [simulate(plan, cost).step_time for plan in plans]
 
 
-def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]]) -> float:
+def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]],
+                which: int = 0, other: float | None = None) -> float:
     """The per-message time (of :data:`LATENCIES`) whose simulated steps of the ``(plan,
-    measured step)`` pairs have the least squared log error."""
+    measured step)`` pairs have the least squared log error: ``which`` 0 fits the point-to-point
+    time (collectives at ``other``, or the same), 1 the collectives' (point to point at ``other``)."""
     plans, steps = [p for p, _ in measured], [s for _, s in measured]
 
     def error(latency: float) -> float:
-        return sum(math.log(p / s) ** 2 for p, s in zip(_predict(compute, latency, per_byte, plans), steps))
+        pair = (latency, latency if other is None else other)
+        predicted = _predict(compute, pair if which == 0 else pair[::-1], per_byte, plans)
+        return sum(math.log(p / s) ** 2 for p, s in zip(predicted, steps))
 
     return min(LATENCIES, key=error)
+
+
+def fit_latencies(compute: dict[str, list[float]], per_byte: float,
+                  measured: list[tuple[Any, float]]) -> tuple[float, float]:
+    """(point to point, collective) per-message times: the first from the jobs without
+    collectives, the second from the others with it fixed (one time for both when either set
+    of jobs is empty)."""
+    from piper_plugin.ir.nodes import COLLECTIVES
+
+    def has_collectives(plan) -> bool:
+        return any(node.kind in COLLECTIVES for node in plan.dag.nodes.values())
+
+    p2p_only = [(p, s) for p, s in measured if not has_collectives(p)]
+    rest = [(p, s) for p, s in measured if has_collectives(p)]
+    if not p2p_only or not rest:
+        both = fit_latency(compute, per_byte, measured)
+        return both, both
+    p2p = fit_latency(compute, per_byte, p2p_only)
+    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p)
 
 
 def cost_model(profile: dict[str, Any] | str | Path):
@@ -192,7 +220,9 @@ def cost_model(profile: dict[str, Any] | str | Path):
     try:
         if where:
             profile = json.loads(Path(where).read_text())
-        return _model(profile["compute"], float(profile["latency_s"]), float(profile["seconds_per_byte"]))
+        latency = float(profile["latency_s"])
+        return _model(profile["compute"], (latency, float(profile.get("collective_latency_s", latency))),
+                      float(profile["seconds_per_byte"]))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if not where:
             raise

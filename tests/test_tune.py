@@ -124,7 +124,7 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     assert cal.returncode == 0, cal.stderr[-3000:]
     data = json.loads(profile.read_text())
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
-    assert data["latency_s"] > 0 and all(c >= 0 for cs in data["compute"].values() for c in cs)
+    assert data["latency_s"] > 0 < data["collective_latency_s"] and all(c >= 0 for cs in data["compute"].values() for c in cs)
     assert len(data["jobs"]) >= 4 and all(j["predicted_step_s"] > 0 < j["measured_step_s"] for j in data["jobs"])
     tune = _piper(capsys, "tune", *sizes, "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]

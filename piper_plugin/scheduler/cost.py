@@ -24,6 +24,7 @@ class CostModel:
     BW: float = 1.0
     UPDATE: float = 0.0
     latency: float = 0.0  # seconds per comm op (alpha)
+    latency_by_kind: dict[str, float] = field(default_factory=dict)  # comm kind -> its alpha, first
     seconds_per_byte: float = 0.0  # 1 / bandwidth (beta)
     flops_per_second: float | None = None  # if set, compute time comes from region FLOPs
     per_region: dict[str, float] = field(default_factory=dict)  # multiplier per region
@@ -65,7 +66,7 @@ class CostModel:
         share = {Kind.ALL_REDUCE: 2 * (group - 1) / group, Kind.ALL_GATHER: (group - 1) / group,
                  Kind.REDUCE_SCATTER: (group - 1) / group, Kind.ALL_TO_ALL: (group - 1) / group}
         volume = node.bytes * share.get(node.kind, 1.0)
-        return self.latency + volume * self.seconds_per_byte
+        return self.latency_by_kind.get(node.kind.value, self.latency) + volume * self.seconds_per_byte
 
 
 def task_features(dag: DAG, node: Node) -> tuple[float, float, float, float]:
