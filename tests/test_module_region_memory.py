@@ -112,3 +112,28 @@ def test_ranks_can_share_the_measuring_one_region_each():
         alone = region_memory(program, model, _loss, (x, y), measure={name})
         assert alone.keys() == {name}
         assert alone[name] == every[name]
+
+
+@pytest.mark.parametrize("measure", [None, {"0"}])  # the loss measured, or only run forward to no end
+def test_compiled_host_code_runs_eagerly_on_fake_tensors(measure):
+    """A host's ``torch.compile``'d loss (TorchTitan's ``--compile.enable``) is never handed fake
+    tensors: a compiled kernel (inductor's C++ on a CPU) would read their memory and crash the rank.
+    The backend here records what it is called with; the measurement calls it with nothing, and the
+    figures are the uncompiled loss's."""
+    torch.manual_seed(0)
+    model = Stages("none")
+    program = _program(model)
+    x, y = torch.randn(B, D), torch.randn(B, D)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(example_inputs)
+        return gm.forward
+
+    compiled = torch.compile(_loss, backend=backend)
+    got = region_memory(program, model, compiled, (x, y), measure=measure)
+    assert seen == []
+    want = region_memory(program, model, _loss, (x, y), measure=measure)
+    assert got == want
+    compiled(torch.randn(B, D), y)  # the compiled loss itself still compiles outside the measurement
+    assert len(seen) == 1

@@ -74,7 +74,15 @@ def region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence
     real tensors instead (a check of the fake run; it zeroes the model's gradients). ``split=False``
     measures the whole backward alone (a region whose graph allows one backward: selective
     activation checkpointing). ``measure``: only these regions (the others run forward only, to
-    feed them): ranks can share the work and exchange the results."""
+    feed them): ranks can share the work and exchange the results. Code under ``torch.compile``
+    (a host's compiled blocks or loss) runs eagerly here: a compiled kernel would read fake
+    tensors' memory."""
+    with torch.compiler.set_stance("force_eager"):
+        return _region_memory(program, model, loss_fn, inputs, fake, split, measure)
+
+
+def _region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequence[Any], fake: bool, split: bool,
+                   measure: Container[str] | None) -> dict[str, RegionMemory]:
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
         model = _fake_copy(model, mode)
