@@ -82,9 +82,9 @@ def missing(need: str | None) -> str | None:
 
 
 def run(bench: Bench, out: Path, timeout: float) -> dict:
-    command = [sys.executable, "-m", f"benchmarks.{bench.name}", *bench.args, "--out", str(out / f"{bench.name}.md")]
-    shown = " ".join(["python -m", f"benchmarks.{bench.name}", *bench.args,
-                      "--out", f"benchmarks/results/run_all/{bench.name}.md"])
+    target = os.path.relpath(out / f"{bench.name}.md", ROOT)  # the results file names its command as run
+    command = [sys.executable, "-m", f"benchmarks.{bench.name}", *bench.args, "--out", target]
+    shown = " ".join(["python -m", f"benchmarks.{bench.name}", *bench.args, "--out", target])
     reason = missing(bench.needs)
     if reason:
         return dict(status=f"skipped: {reason}", seconds=0.0, command=shown)
