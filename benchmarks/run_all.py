@@ -86,8 +86,9 @@ def run(bench: Bench, out: Path, timeout: float) -> dict:
     command = [sys.executable, "-m", f"benchmarks.{bench.name}", *bench.args, "--out", target]
     shown = " ".join(["python -m", f"benchmarks.{bench.name}", *bench.args, "--out", target])
     reason = missing(bench.needs)
-    if reason:
-        return dict(status=f"skipped: {reason}", seconds=0.0, command=shown)
+    if reason:  # nothing written: the command as it would run, without a results file
+        return dict(status=f"skipped: {reason}", seconds=0.0, command=" ".join(["python -m", f"benchmarks.{bench.name}",
+                                                                              *bench.args]))
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)

@@ -106,7 +106,7 @@ def _host_rank(rank: int, port: int, recipe: str, zero: int, out) -> None:
         out.put((rank, {"faces": faces, "local": len(named), "losses": len(losses), "loss": loss_err,
                         "eval": eval_err, "evals": len(eval_losses),
                         "norm": norm_err, "param": param_err}))
-    except BaseException as exc:  # noqa: BLE001 - report it to the test
+    except BaseException:  # noqa: BLE001 - report it to the test
         import traceback
         out.put((rank, traceback.format_exc()))
     finally:

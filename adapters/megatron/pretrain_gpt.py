@@ -18,7 +18,7 @@ import sys
 import time
 from datetime import datetime
 from functools import partial
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -3,8 +3,10 @@
 Semantics (the runtime's): each (rank, logical stream) runs its tasks strictly in plan order;
 a task starts once its local dependencies finished; compute tasks of one rank share one
 compute unit; SEND is buffered (never blocks) and its RECV completes once the data arrived;
-a collective starts when every member of its group reached it. If tasks remain when nothing
-can start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
+a collective starts when every member of its group reached it; compute tasks ready at one time
+start in the plan's global order (never by rank, so dp replicas with one plan keep one timeline,
+and one replica per class is simulated: :mod:`.symmetry`). If tasks remain when nothing can
+start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
 
 Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
 plus the peak of what comes and goes (:mod:`.sim_memory`).
