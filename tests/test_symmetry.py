@@ -59,7 +59,7 @@ def test_collapsed_simulation_equals_every_rank_simulated_fast(spec):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=20, **_SETTINGS)
 @given(_DP2)
 def test_collapsed_simulation_equals_every_rank_simulated(spec):
     _check(spec)
