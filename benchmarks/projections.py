@@ -155,7 +155,7 @@ def sweep_pp_dp() -> tuple[list[str], list[dict]]:
     return lines, rows
 
 
-def sweep_zero(sizes: list[int]) -> tuple[list[str], dict[int, list[tuple[int, float]]]]:
+def sweep_zero(sizes: list[int]) -> tuple[list[str], dict[int, list[tuple[int, float]]], int]:
     peaks: dict[int, list[tuple[int, float]]] = {}
     for zero in range(4):
         for samples in sizes:
@@ -166,7 +166,7 @@ def sweep_zero(sizes: list[int]) -> tuple[list[str], dict[int, list[tuple[int, f
     for zero, points in peaks.items():
         fit = [s for s, p in points if p <= GPU["memory_bytes"]]
         lines.append(f"| {zero} | " + " | ".join(_gb(p) for _, p in points) + f" | {max(fit) if fit else 'none'} |")
-    return lines, peaks
+    return lines, peaks, r["params"]
 
 
 def sweep_zero_9b() -> list[str]:
@@ -234,7 +234,7 @@ def main() -> None:
     torch.set_num_threads(1)
     start = time.perf_counter()
     pp_dp_lines, pp_dp = sweep_pp_dp()
-    zero_lines, zero = sweep_zero(args.zero_sizes)
+    zero_lines, zero, params_1b = sweep_zero(args.zero_sizes)
     zero_9b_lines = sweep_zero_9b()
     sched_lines, schedules = sweep_schedules()
     plots = _plots(args.out, pp_dp, zero, schedules)
@@ -259,7 +259,7 @@ def main() -> None:
         "messages. See the module docstring for how each figure is made.", "",
         f"## Dense 9B-like ({pp_dp[0]['params'] / 1e9:.1f}B parameters), 1F1B, 1 sample of {DENSE_9B['seq']} "
         "tokens per microbatch, m = 2 x PP", "", *pp_dp_lines, "",
-        f"## 1B-like ({_params(DENSE_1B) / 1e9:.1f}B parameters), "
+        f"## 1B-like ({params_1b / 1e9:.1f}B parameters), "
         f"PP=8 x DP=2, 1F1B, m=16, {DENSE_1B['seq']} tokens per sample: peak memory per GPU", "",
         *zero_lines, "",
         "The paper (A100s, measured): ZeRO-2/3 under PP trains a 3-8x larger batch than TorchTitan, which runs out "
@@ -281,11 +281,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
-
-
-def _params(sizes: dict) -> int:
-    model, _ = _build(False, sizes, 1)
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

@@ -136,10 +136,11 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
         except (RecipeError, ValueError) as exc:  # DirectiveError and PlanError are ValueErrors
             refused[_reason(exc)] += 1
             continue
-        if plan.hash() in hashes:
+        digest = plan.hash()  # the whole plan as JSON, hashed: once
+        if digest in hashes:
             duplicates += 1
             continue
-        hashes.add(plan.hash())
+        hashes.add(digest)
         peak = max(sum(static.values()) + transient
                    for static, transient in zip(result.static_bytes, result.peak_transient_bytes))
         scored = Scored(cand, result.step_time, int(peak), result.bubble_fraction, sch)
