@@ -3,8 +3,8 @@
 The reference trains ``job``'s model the plain way (same seed, same batches, the job's own
 optimizer and LR scheduler) on the CPU in fp32: plain PyTorch, no Piper code. A run is compared
 by every step's loss as the last-stage ranks reported it, and by the gradients and parameters
-stitched whole from the pieces every rank captured (``Job.capture_grads``): gradients of the
-last step, parameters after it, each by name.
+stitched whole from the pieces every rank captured (``Job.capture_grads``): every step's
+gradients and the parameters after it, each by name, every data-parallel replica compared.
 """
 from __future__ import annotations
 
@@ -40,14 +40,15 @@ class ParityErrors:
 
 
 def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]]) -> ParityErrors:
-    """Train ``job.steps`` steps on one device and compare; raises when a step has no loss."""
+    """Train ``job.steps`` steps on one device and compare every step; raises when a step has no
+    loss or the ranks' pieces do not cover every parameter. ``per_rank`` (the ranks' final
+    results) is compared after the last step too, when it holds pieces."""
     reference = job.build_model()
     named = list(reference.named_parameters())
     optimizer = job.optimizer_fn(ParamList([p for _, p in named], [n for n, _ in named]))
     scheduler = job.lr_scheduler_fn(optimizer) if job.lr_scheduler_fn else None
     data = job.data_fn(job.seed)
     errors = ParityErrors()
-    grads: dict[str, torch.Tensor] = {}
     for step in range(job.steps):
         *inputs, target = next(data)
         loss = job.loss_fn(reference(*inputs), target)
@@ -64,12 +65,22 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
         optimizer.zero_grad()
         if scheduler is not None:
             scheduler.step()
-    params = {n: p.detach() for n, p in reference.named_parameters()}
-    for kind, whole, pieces in (("grad", grads, "grad_pieces"), ("param", params, "param_pieces")):
-        got = stitch([piece for result in per_rank.values() for piece in result[pieces]])
-        if set(got) != set(whole):
-            raise ValueError(f"the ranks' {pieces} cover {sorted(set(got) ^ set(whole))[:3]}... differently "
-                             f"from the model's parameters")
-        for name, tensor in got.items():
-            errors.note(kind, rel(tensor, whole[name]), name)
+        params = {n: p.detach() for n, p in reference.named_parameters()}
+        ranks = [m for m in metrics if m["step"] == step and "grad_pieces" in m]
+        if ranks:
+            _compare(errors, step, grads, params, ranks)
+    if per_rank and all("grad_pieces" in r for r in per_rank.values()):
+        _compare(errors, job.steps - 1, grads, params, list(per_rank.values()))
     return errors
+
+
+def _compare(errors: ParityErrors, step: int, grads: dict, params: dict, ranks: list[dict[str, Any]]) -> None:
+    """One step's gradients and the parameters after it, per parameter, from every rank's pieces
+    (every data-parallel replica compared: :func:`stitch`)."""
+    for kind, whole, pieces in (("grad", grads, "grad_pieces"), ("param", params, "param_pieces")):
+        got = stitch([piece for result in ranks for piece in result[pieces]])
+        if set(got) != set(whole):
+            raise ValueError(f"step {step}: the ranks' {pieces} cover {sorted(set(got) ^ set(whole))[:3]}... "
+                             f"differently from the model's parameters")
+        for name, tensor in got.items():
+            errors.note(kind, rel(tensor, whole[name]), f"step {step}: {name}")

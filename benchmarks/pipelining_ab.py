@@ -7,7 +7,8 @@ end of the optimizer step; a step's time is the slowest rank's. Each round forks
 hold both engines and alternate steps torch, piper, piper, torch, ..., so the machine's drift
 (tens of percent between runs here) hits both alike.
 Reported: the median step time of each engine over all rounds, the ratio Piper / torch, and
-the loss of step 1 of both (a sanity check that they compute the same thing).
+the loss of step 1 of both and the largest difference between their losses over every step of
+every round (both engines see the same batches from the same weights: they compute the same thing).
 
     python -m benchmarks.pipelining_ab                       # the published table
     python -m benchmarks.pipelining_ab --dim 32 --layers 4 --seq 16 --batch 4 --steps 2
@@ -118,9 +119,17 @@ def backward_split_cost(cfg: ToyLMConfig, args: argparse.Namespace) -> dict[str,
     return {how: median(ts) for how, ts in times.items()}
 
 
-def _first_loss(results: dict[int, dict[str, Any]]) -> float | None:
-    """The loss of step 1, from the rank holding the last stage."""
-    return next((r["losses"][0] for r in results.values() if r["losses"][0] is not None), None)
+def _losses(results: dict[int, dict[str, Any]]) -> list[float]:
+    """The loss of every step, from the rank holding the last stage."""
+    return next(r["losses"] for r in results.values() if r["losses"][0] is not None)
+
+
+def loss_gap(piper: dict[int, dict[str, Any]], torch_: dict[int, dict[str, Any]]) -> tuple[float, int]:
+    """The largest |Piper loss - torch loss| over the steps of one round, and how many steps."""
+    a, b = _losses(piper), _losses(torch_)
+    if len(a) != len(b):
+        raise RuntimeError(f"the engines ran {len(a)} and {len(b)} steps")
+    return max(abs(x - y) for x, y in zip(a, b)), len(a)
 
 
 def _job(cfg: ToyLMConfig, args: argparse.Namespace, recipe: str):
@@ -210,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         quiet_runs: dict[str, int] = {"piper": 0, "torch": 0}
         cycles: list[float] = []
         loss: dict[str, float | None] = {}
+        gaps: list[float] = []
+        compared = 0
         for r in range(args.rounds):
             if args.quiet_wait > 0:
                 wait_for_quiet(args.quiet_wait, args.quiet_below)
@@ -217,6 +228,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 both = run_alternating(cfg, args, recipe)
                 for results in both.values():
                     load.add_own(results)
+            gap, steps = loss_gap(both["piper"], both["torch"])
+            gaps.append(gap)
+            compared += steps
             cycles += cycle_ratios(slowest_rank_times(both["piper"]), slowest_rank_times(both["torch"]),
                                    args.warmup)
             for engine, results in both.items():
@@ -228,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                 if load.cores is not None and load.cores < args.quiet_below:
                     quiet[engine] += step_times
                     quiet_runs[engine] += 1
-                loss.setdefault(engine, _first_loss(results))
+                loss.setdefault(engine, _losses(results)[0])
                 other = "n/a" if load.cores is None else f"{load.cores:.2f}"
                 print(f"  {recipe:17s} round {r} {engine:5s} median {fmt_ms(median(step_times))} ms "
                       f"(steps {' '.join(fmt_ms(t) for t in step_times)}; other processes {other} cores)", flush=True)
@@ -242,14 +256,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                            "quiet_runs": (quiet_runs["piper"], quiet_runs["torch"]),
                            "piper_rounds": rounds["piper"], "torch_rounds": rounds["torch"],
                            "piper_load": _load(foreign["piper"]), "torch_load": _load(foreign["torch"]),
-                           "piper_loss": loss["piper"], "torch_loss": loss["torch"]}
+                           "piper_loss": loss["piper"], "torch_loss": loss["torch"],
+                           "loss_gap": max(gaps), "loss_steps": compared}
     rows = [[recipe, SCHEDULES[recipe][0], fmt_ms(s["piper_s"]), fmt_ms(s["torch_s"]), f"**{s['ratio']:.3f}**",
              f"{s['cycle_ratio']:.3f} ({s['cycles']})",
              fmt_ms(s["piper_min_s"]), fmt_ms(s["torch_min_s"]), f"{s['ratio_min']:.3f}",
              f"{fmt_ms(s['piper_cpu_s'])} / {fmt_ms(s['torch_cpu_s'])}", _quiet_cell(s),
              " / ".join(fmt_ms(t) for t in s["piper_rounds"]), " / ".join(fmt_ms(t) for t in s["torch_rounds"]),
              f"{s['piper_load']} / {s['torch_load']}",
-             f"{s['piper_loss']:.6f}", f"{s['torch_loss']:.6f}", f"{abs(s['piper_loss'] - s['torch_loss']):.1e}"]
+             f"{s['piper_loss']:.6f}", f"{s['torch_loss']:.6f}", f"{s['loss_gap']:.1e} ({s['loss_steps']})"]
             for recipe, s in summary.items()]
     table = markdown_table(["schedule", "torch class", "Piper median ms", "torch median ms", "ratio Piper/torch",
                             "cycle ratio (cycles)",
@@ -258,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
                             f"quiet runs only (other load < {args.quiet_below} cores): Piper / torch ms (runs), ratio",
                             "Piper round medians",
                             "torch round medians", "other load, cores (Piper / torch runs)", "step-1 loss Piper",
-                            "step-1 loss torch", "abs diff"], rows)
+                            "step-1 loss torch", "largest loss diff, every step (steps)"], rows)
     print(table)
     split_text: list[str] = []
     if args.split_reps > 0:
@@ -287,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
         f"freshly forked ranks each hold both engines (own model copy, optimizer and batches) and alternate steps "
         f"{', '.join(ALTERNATION)}, ... until each engine ran {args.warmup} warm-up + {args.steps} timed steps; "
         f"{args.rounds} rounds. Neighbouring steps of the two engines see the same machine, which separate runs "
-        f"here do not (their medians drifted by up to 30% from run to run). Step time = slowest rank, from a barrier to the end of the optimizer step. "
+        f"here do not. Step time = slowest rank, from a barrier to the end of the optimizer step. "
         f"Medians and bests over all timed steps of all rounds. Cycle ratio: median over the "
         f"{'-'.join(ALTERNATION)} cycles of Piper's two steps over torch's two, each pair from one stretch of "
         f"machine time. 'CPU ms/step' = median over steps of the CPU time "

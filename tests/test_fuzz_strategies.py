@@ -98,11 +98,12 @@ _PROGRAMS: dict[tuple, object] = {}
 
 def _program(spec: dict, model, tokens, targets):
     """The capture of ``spec``'s model on this batch, once per model structure and batch shape
-    (a Schedule copies the program's DAG: captures are shared, never changed)."""
+    (a Schedule copies the program's DAG: captures are shared, never changed). Activation memory
+    is not measured: the parity runs count none (``meter=False``)."""
     stages = stages_needed(spec["recipe"], spec["pp"], spec["chunks"])
     key = (spec["moe"], spec["tie"], stages, tuple(tokens.shape))
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = capture(model, lm_loss, (tokens,), targets)
+        _PROGRAMS[key] = capture(model, lm_loss, (tokens,), targets, memory=False)
     return _PROGRAMS[key]
 
 

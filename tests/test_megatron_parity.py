@@ -91,9 +91,12 @@ def test_interleaved_is_right_where_megatrons_batched_p2p_is_not():
         _assert_same_training(reports, "piper", reference, "megatron")
         if not batched:
             _assert_same_training(reports, "megatron", reference, "megatron")
-        else:
-            with pytest.raises(AssertionError):
-                _assert_same_training(reports, "megatron", reference, "megatron")
+        else:  # Megatron's own numbers move: a gradient or a loss beyond TOL
+            grads = _merged(reports, "megatron", "grads")
+            want = _merged(reference, "megatron", "grads")
+            worst = max(float(np.abs(grads[n] - want[n]).max() / max(np.abs(want[n]).max(), 1e-12)) for n in want)
+            a, b = _loss_values(_losses(reports, "megatron")), _loss_values(_losses(reference, "megatron"))
+            assert worst > TOL or a.shape != b.shape or not np.allclose(a, b, rtol=TOL, atol=0), worst
 
 
 @pytest.mark.slow

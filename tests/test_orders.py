@@ -127,9 +127,9 @@ def test_layouts():
     assert [O.stage_rank(s, 4, 2, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
     assert O.stages_of_rank(1, 4, 3, "loop") == [1, 5, 9]
     assert O.stages_of_rank(0, 4, 2, "v") == [0, 7]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'v' layout needs v == 2, got v=3"):
         O.stage_rank(0, 4, 3, "v")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stage 8 out of range for p=4, v=2"):
         O.stage_rank(8, 4, 2, "loop")
 
 
@@ -236,7 +236,7 @@ def test_simulator_detects_deadlock():
 
 @pytest.mark.parametrize("fn", [O.gpipe, O.one_f_one_b, O.zb_h1])
 def test_invalid_sizes(fn):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need p >= 1, m >= 1, v >= 1; got p=0, m=4"):
         fn(0, 4)
 
 
@@ -272,8 +272,12 @@ def _torch_orders(cls, p, m, **attrs):
 def test_matches_torch(p, m):
     assert O.gpipe(p, m) == _torch_orders("ScheduleGPipe", p, m)
     # torch's Schedule1F1B._get_pipeline_order (a descriptive order, not what
-    # its step() runs) numbers the last rank's forwards 1..m instead of 0..m-1.
-    assert O.one_f_one_b(p, m)[:-1] == _torch_orders("Schedule1F1B", p, m)[:-1]
+    # its step() runs) numbers the last rank's forwards 1..m instead of 0..m-1:
+    # renumbered, the last rank's order is compared too
+    theirs = _torch_orders("Schedule1F1B", p, m)
+    last = [(k, s, i - 1 if k == "F" else i) for k, s, i in theirs[-1]]
+    assert sorted(i for k, _, i in theirs[-1] if k == "F") == list(range(1, m + 1))
+    assert O.one_f_one_b(p, m) == theirs[:-1] + [last]
     for v in (2, 3):
         assert O.interleaved_1f1b(p, v, m) == _torch_orders(
             "ScheduleInterleaved1F1B", p, m, n_local_stages=v, microbatches_per_round=p)

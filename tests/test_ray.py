@@ -110,31 +110,46 @@ def test_the_driver_asks_stalled_actors_what_they_do(ray_cluster):
 
 
 @pytest.mark.slow
-def test_a_default_run_listens_on_the_loopback_only(tmp_path):
-    """While a default ``piper train`` (a local Ray it starts itself) trains, every listening
-    socket of the driver and everything below it (GCS, raylet, workers, agents) is on the
-    loopback address."""
+def test_the_console_script_trains_on_a_quiet_local_ray_listening_on_the_loopback_only(tmp_path):
+    """The console script with the default launcher (a local Ray it starts itself): it trains
+    and reports every step, Ray says nothing, and while it trains every listening socket of the
+    driver and everything below it (GCS, raylet, workers, agents) is on the loopback address."""
     import ipaddress
+    import json
     import os
-    import sys
+    import shutil
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    job = subprocess.Popen([sys.executable, "-m", "piper_plugin.cli", "train", "--steps", "100000"],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                           start_new_session=True)
+    from test_train_cli import step_lines
+
+    steps, metrics = 60, tmp_path / "m.jsonl"
+    piper = shutil.which("piper") or pytest.skip("console script not installed")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([piper, "train", "--pp", "2", "--microbatches", "4", "--steps", str(steps),
+                            "--metrics", str(metrics)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        for line in job.stdout:  # "step      3/100000  loss ..."
+        out = []
+        for line in job.stdout:  # "step      3/60  loss ..."
+            out.append(line)
             if line.split("/")[0].split() == ["step", "3"]:
                 break
-        assert job.poll() is None, "the run ended before its third step"
         sockets = listening(process_tree(job.pid))
+        assert job.poll() is None, "the run ended before its sockets were listed"
         assert len(sockets) >= 5, f"found too few listening sockets to tell anything: {sockets}"
         wide = [(pid, open(f"/proc/{pid}/comm").read().strip(), ip) for pid, ip, _ in sockets
                 if not loopback(ipaddress.ip_address(ip))]
         assert not wide, f"listening beyond the loopback: {wide}"
+        rest, err = job.communicate(timeout=240)
     finally:
-        os.killpg(job.pid, 9)
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
         job.wait(30)
+    stdout = "".join(out) + rest
+    assert job.returncode == 0, err[-3000:]
+    assert "(2 ranks, ray)" in stdout and len(step_lines(stdout)) == steps, stdout[-2000:]
+    assert "Traceback" not in err and "Started a local Ray instance" not in err, err[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 2 * steps and {r["rank"] for r in rows if "loss" in r} == {1}
 
 
 @contextlib.contextmanager

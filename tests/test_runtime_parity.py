@@ -98,10 +98,12 @@ def test_the_comparison_sees_a_wrong_loss_gradient_or_parameter():
     for m in metrics:
         if "loss" in m and m["step"] == 1:
             m["loss"] *= 1.01
-    grad_piece, param_piece = per_rank[0]["grad_pieces"][0], per_rank[1]["param_pieces"][0]
+    # a piece of the first step's gradients (as that step reported it) and of the final parameters
+    grad_piece = next(m for m in metrics if m["step"] == 0 and m["rank"] == 0)["grad_pieces"][0]
+    param_piece = per_rank[1]["param_pieces"][0]
     grad_piece.flat[0] += 1.0
     param_piece.flat[0] += 1.0
     errors = single_device_errors(job, metrics, per_rank)
     assert errors.loss > 1e-3 and errors.where["loss"].startswith("step 1")
-    assert errors.grad > 1e-3 and errors.where["grad"] == grad_piece.names[0].removeprefix("model.")
-    assert errors.param > 1e-3 and errors.where["param"] == param_piece.names[0].removeprefix("model.")
+    assert errors.grad > 1e-3 and errors.where["grad"] == f"step 0: {grad_piece.names[0].removeprefix('model.')}"
+    assert errors.param > 1e-3 and errors.where["param"] == f"step 1: {param_piece.names[0].removeprefix('model.')}"

@@ -13,6 +13,7 @@ from piper_plugin.adapters.torchtitan.pipelining import _compile, _schedule_fn, 
 from piper_plugin.adapters.torchtitan.program import build_stage_program  # noqa: E402
 from piper_plugin.runtime.executor import HostOptimizer  # noqa: E402
 from piper_plugin.adapters.torchtitan.trainer import PiperTrainer  # noqa: E402
+from piper_plugin.api.errors import DirectiveError  # noqa: E402
 
 MODULE = "piper_plugin.adapters.torchtitan"
 
@@ -57,13 +58,16 @@ def test_cpu_fixes_are_in_the_config():
     assert config.dataloader.dataset == DATASET
 
 
-def test_engine_flag_parses_and_rejects_bad_values():
+def test_engine_flag_parses_and_rejects_bad_values(capsys):
     assert _parse().parallelism.pipeline_engine == "torch"
     config = _parse("--parallelism.pipeline_engine", "piper", "--piper.recipe", "zb-h1")
     assert config.parallelism.pipeline_engine == "piper" and config.piper.recipe == "zb-h1"
     assert _parse("--parallelism.pipeline_engine=piper").parallelism.pipeline_engine == "piper"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         _parse("--parallelism.pipeline_engine", "megatron")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice 'megatron'" in err and "'torch', 'piper', 'alternate'" in err, err
 
 
 def test_drop_in_configs():
@@ -113,7 +117,8 @@ def test_recipe_that_does_not_fit_the_stages_is_named():
     program = build_stage_program(parts, microbatch_size=1, microbatches=4, seq_len=32, hidden_dim=dim,
                                   dtype=torch.float32)
     _, apply = _schedule_fn("dualpipev", pp=2, microbatches=4, stages=2)
-    with pytest.raises(Exception, match="stages"):
+    with pytest.raises(DirectiveError, match=r"dualpipev\(pp=2, chunks=2\): the model has 2 PP stages but the "
+                                             r"recipe needs pp x chunks = 4"):
         _compile(program, apply, 2, True)
 
 

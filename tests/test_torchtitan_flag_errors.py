@@ -3,8 +3,7 @@
 Each rank checks the same flags while TorchTitan builds the trainer; the refusal is one
 ``piper: error:`` line naming the flag and the fix, exit status 2, no traceback (issue #19's bad
 input: expert parallelism on a model without MoE layers, a DualPipeV stage count that does not
-fit, an expert degree that does not divide the experts; issue #22's CUDA-only flags on CPU (memory snapshot, CUDA graphs) and
-compile with ZeRO-3).
+fit, an expert degree that does not divide the experts; issue #22's CUDA-only flags on CPU (memory snapshot, CUDA graphs)).
 """
 from types import SimpleNamespace
 
@@ -46,13 +45,9 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_refused_with_the_d
      "--profiler.enable_memory_snapshot records the CUDA caching allocator's history"),
     (1, ["--training.no-disable-cuda-graphs"],  # with pp > 1 TorchTitan's own config check refuses it first
      "--training.no-disable-cuda-graphs asks for CUDA graph capture"),
-    (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-         "--piper.zero", "3", "--compile.enable", "--compile.backend", "aot_eager"],
-     "--compile.enable with Piper's ZeRO-3 is not supported yet"),
     (2, ["--config", "llama3_debugmodel_float8_pp2_1f1b"],  # the last --config counts
      "TorchTitan's config llama3_debugmodel_float8 cannot be built here: torchao is not installed"),
 ], ids=["ep-without-moe", "dualpipev-odd-stages", "cuda-memory-snapshot-on-cpu", "cuda-graphs-on-cpu",
-        "compile-with-zero3",
         "float8-without-torchao"])
 def test_a_refused_flag_ends_the_job_in_one_line(tmp_path, nproc, flags, expected):
     from titan_fork import run_titan_forked

@@ -82,7 +82,7 @@ def test_lm_stages_split_and_errors():
     assert layer_stages(64, 32) == [s for s in range(32) for _ in range(2)]
     with pytest.raises(ValueError, match="stages=5 > n_layers=4"):
         ToyLM(cfg, stages=5)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stages must be >= 1, got 0"):
         ToyLM(cfg, stages=0)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,20 +136,6 @@ def test_failed_rank_prints_its_traceback(capsys, monkeypatch):
 def _console(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([*argv], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.mark.slow
-def test_default_ray_launcher_slow(tmp_path):
-    """SLOW (~20 s): the console script with the default launcher, a quiet local Ray."""
-    metrics = tmp_path / "m.jsonl"
-    piper = shutil.which("piper") or pytest.skip("console script not installed")
-    done = _console(piper, "train", "--pp", "2", "--microbatches", "4", "--steps", "3", "--metrics", str(metrics),
-                    timeout=240)
-    assert done.returncode == 0, done.stderr
-    assert "(2 ranks, ray)" in done.stdout and len(step_lines(done.stdout)) == 3
-    assert "Traceback" not in done.stderr and "Started a local Ray instance" not in done.stderr
-    rows = read_jsonl(metrics)
-    assert len(rows) == 6 and {r["rank"] for r in rows if "loss" in r} == {1}
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ microbatch's copy on another never leave a referenced bucket without storage), a
 microbatch's handed-over gradients count as memory until their reduction is done."""
 import functools
 import threading
-import time
 
 import torch
 
@@ -38,18 +37,27 @@ def test_release_and_the_next_gather_do_not_interleave():
     assert bucket.refs == 1 and bucket.materialized
 
     release = bucket.release
+    releasing, go_on = threading.Event(), threading.Event()
 
-    def slow_release() -> None:  # widen the window between the last reference and the free
-        time.sleep(0.2)
+    def held_release() -> None:  # the last reference is gone; the free waits for the gather below
+        releasing.set()
+        go_on.wait(timeout=30)
         release()
 
-    bucket.release = slow_release
+    bucket.release = held_release
     (consumer,) = plan.dag.data_succ[first.key]
     done = threading.Thread(target=state.finished, args=(consumer,))
     done.start()
-    time.sleep(0.05)  # the forward has dropped its reference and is freeing the storage
-    comm_ops.absorb(state, second, full)  # microbatch 1's gather lands meanwhile
-    done.join()
+    assert releasing.wait(timeout=30), "the consumer never released the bucket"
+    # microbatch 1's gather lands while the release is under way: it must wait for the free (then
+    # give the storage back) or have taken its reference before it; it gets 2 s to finish first
+    gather = threading.Thread(target=comm_ops.absorb, args=(state, second, full))
+    gather.start()
+    gather.join(timeout=2.0)
+    go_on.set()
+    done.join(timeout=30)
+    gather.join(timeout=30)
+    assert not done.is_alive() and not gather.is_alive()
     assert bucket.refs == 1
     assert bucket.materialized, "a referenced bucket lost its storage to the release before it"
     expected = torch.zeros(bucket.padded)

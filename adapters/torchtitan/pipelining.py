@@ -90,11 +90,6 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
     ep = parallel_dims.ep  # experts over the shards (check_parallelism): the grid's ep axis
     compiled = bool(getattr(compile_config, "enable", False)) and "model" in compile_config.components  # all ranks
-    if compiled and zero == 3:
-        raise FlagError("--compile.enable with Piper's ZeRO-3 is not supported yet: its per-block parameter gathers "
-                        "run as module hooks inside the blocks TorchTitan compiles as full graphs; drop "
-                        "--compile.enable, or use ZeRO-1 / ZeRO-2 (--piper.zero 1 or 2, or a *_dp2_zero1 / "
-                        "*_dp2_zero2 config), which compile")
     if ep > 1 and ac_config is not None:
         raise FlagError(f"--parallelism.expert_parallel_degree {ep} with activation checkpointing under the Piper "
                         f"engine: a recomputed MoE layer would exchange its tokens again inside the backward; "

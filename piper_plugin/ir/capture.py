@@ -143,17 +143,20 @@ class Program:
 
 
 def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inputs: Sequence[Any],
-            example_target: torch.Tensor) -> Program:
+            example_target: torch.Tensor, *, memory: bool = True) -> Program:
     """Trace ``loss_fn(model(*example_inputs), example_target)`` into regions and a DAG.
 
     The model may live on the meta device. The leading dim of the inputs is the batch.
+    ``memory=False`` skips measuring each region's saved activations and backward working memory
+    (a fake-tensor run of every region): the regions keep the size probe's estimate, for callers
+    that never simulate or check memory.
     """
     with gc_paused():
-        return _capture(model, loss_fn, example_inputs, example_target)
+        return _capture(model, loss_fn, example_inputs, example_target, memory)
 
 
 def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inputs: Sequence[Any],
-             example_target: torch.Tensor) -> Program:
+             example_target: torch.Tensor, measure_memory: bool = True) -> Program:
     root = _Training(model, loss_fn)
     tracer = _TaggingTracer()
     try:
@@ -172,7 +175,7 @@ def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inp
     program.dag.meta.param_shapes = {n: tuple(p.shape) for n, p in params.items()}
     program.dag.meta.value_shapes = probe.shapes
     try:
-        memory = region_memory(program, model, loss_fn, (*example_inputs, example_target))
+        memory = region_memory(program, model, loss_fn, (*example_inputs, example_target)) if measure_memory else {}
     except Exception:  # noqa: BLE001 - an op fake tensors cannot run: keep the probe's estimate
         memory = {}
     for name, m in memory.items():

@@ -22,7 +22,8 @@ Invariants: every member of the group issues the same collectives in the same or
 choice of what to gather or reduce depends on the block order and the task alone, never on
 local values); a block's parameters are materialized while any code of the task may read them;
 each microbatch's gradient of a block is reduced exactly once (its ``.grad`` is taken into the
-payload). Forwards run again inside a backward (activation checkpointing) and forwards outside
+payload). A freed block keeps its storage object (resized to 0 and back), so what a compiled
+block's forward saved of its parameters for the backward reads the gathered values again. Forwards run again inside a backward (activation checkpointing) and forwards outside
 a task (an evaluation, which gathers every bucket first) neither gather nor free.
 """
 from __future__ import annotations
@@ -63,8 +64,10 @@ class BlockGathers:
         self._pinned = 0  # input-gradient passes whose weight pass has not run: blocks stay gathered
         self._handles = []
         for k, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(self._before_forward(k)))
-            self._handles.append(module.register_forward_hook(self._after_forward(k)))
+            # outside any compiled graph (TorchTitan compiles each block as a full graph): dynamo runs
+            # them eagerly around the block's compiled forward, as it does FSDP's
+            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._before_forward(k))))
+            self._handles.append(module.register_forward_hook(torch.compiler.disable(self._after_forward(k))))
 
     # -- the task around the hooks ---------------------------------------------------------
     @contextlib.contextmanager

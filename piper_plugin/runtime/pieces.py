@@ -29,12 +29,30 @@ class Piece:
     def numel(self) -> int:
         return sum(int(torch.Size(s).numel()) for s in self.shapes)
 
+    def __reduce__(self):
+        """Pickled by value (a numpy copy): torch's multiprocessing pickler would share the
+        tensor's storage through its sender, which a rank may have left by the time it is read."""
+        flat = self.flat.detach().cpu().contiguous().reshape(-1)
+        return _piece, (self.names, self.shapes, self.slot, self.n, self.ep_index, self.ep,
+                        flat.view(torch.uint8).numpy(), flat.dtype, self.rank)
 
-def stitch(pieces: list[Piece]) -> dict[str, torch.Tensor]:
-    """Whole tensors by name (without the ``model.`` prefix) from every rank's pieces."""
+
+def _piece(names, shapes, slot, n, ep_index, ep, raw, dtype, rank) -> Piece:
+    return Piece(names, shapes, slot, n, ep_index, ep, torch.from_numpy(raw).view(dtype), rank)
+
+
+def stitch(pieces: list[Piece], rtol: float = 1e-5) -> dict[str, torch.Tensor]:
+    """Whole tensors by name (without the ``model.`` prefix) from every rank's pieces.
+
+    Data-parallel replicas hold the same piece (same names, slot and expert slice); every copy
+    is compared with the first, and copies that differ by more than ``rtol`` (relative to the
+    first's largest magnitude) raise :class:`ValueError` naming the ranks: no replica stands in
+    for another unchecked."""
     groups: dict[tuple, dict[int, Piece]] = {}
     for p in pieces:
-        groups.setdefault((p.names, p.ep_index), {})[p.slot] = p
+        first = groups.setdefault((p.names, p.ep_index), {}).setdefault(p.slot, p)
+        if first is not p:
+            _same_replica(first, p, rtol)
     slices: dict[str, dict[int, torch.Tensor]] = {}
     for (names, ep_index), parts in groups.items():
         first = next(iter(parts.values()))
@@ -46,6 +64,17 @@ def stitch(pieces: list[Piece]) -> dict[str, torch.Tensor]:
             offset += size
     return {name.removeprefix("model."): torch.cat([s[i] for i in sorted(s)]) if len(s) > 1 else next(iter(s.values()))
             for name, s in slices.items()}
+
+
+def _same_replica(a: Piece, b: Piece, rtol: float) -> None:
+    if a.flat.shape != b.flat.shape:
+        raise ValueError(f"replicas of {a.names[0]}... (slot {a.slot}) have shapes {tuple(a.flat.shape)} on rank "
+                         f"{a.rank} and {tuple(b.flat.shape)} on rank {b.rank}")
+    scale = float(a.flat.abs().max()) if a.flat.numel() else 0.0
+    gap = float((a.flat - b.flat).abs().max()) if a.flat.numel() else 0.0
+    if gap > rtol * max(scale, 1e-12):
+        raise ValueError(f"replicas of {', '.join(a.names)} (slot {a.slot}) differ: rank {a.rank} and rank {b.rank} "
+                         f"by {gap / max(scale, 1e-12):.2e} relative")
 
 
 def expected_flat(piece: Piece, whole: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -108,6 +108,9 @@ class Worker:
                                          f"instead with --on-nan skip")
         if self.executor.gate is not None and self.executor.gate.skipped:
             metrics["skipped"] = True
+        if self.job.capture_grads:  # this step's reduced gradients and the parameters after it
+            metrics["grad_pieces"] = [p for ps in self.state.grad_pieces.values() for p in ps]
+            metrics["param_pieces"] = self.state.param_pieces()
         self.step_index += 1
         every, job = self.job.checkpoint_every, self.job
         if job.checkpoint_dir and (self.step_index == job.steps or (every and self.step_index % every == 0)):
