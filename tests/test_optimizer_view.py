@@ -99,8 +99,7 @@ def test_reference_executor_keeps_groups_frozen_and_unused(recipe, zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [1, 2, 3])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe, zero", [(r, z) for r in RECIPES for z in (1, 2, 3)] + [("1f1b", 0)])
 def test_real_ranks_keep_groups_frozen_and_unused(recipe, zero):
     from piper_plugin import Job
     from piper_plugin.compiler import compile_job

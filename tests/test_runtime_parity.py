@@ -19,6 +19,11 @@ def _model(cls, cfg, stages):
     return cls(cfg, stages=stages)
 
 
+def _bucketed(recipe, pp, dp, ep, m, zero, bucket_bytes, program):
+    return apply_recipe(Schedule(program, pp=pp, dp=dp, ep=ep), recipe, microbatches=m, zero=zero,
+                        bucket_bytes=bucket_bytes)
+
+
 def _check_parity(recipe, pp, dp=1, ep=1, zero=0, moe=False):
     m = max(4, 2 * pp) if recipe == "dualpipev" else 4
     stages = stages_needed(recipe, pp)
@@ -50,6 +55,36 @@ def test_rows_that_do_not_split_evenly_over_the_replicas(zero):
     cfg = ToyLMConfig(n_layers=2, vocab=63)
     check_distributed_parity(functools.partial(_model, ToyLM, cfg, 2), cfg, 16,
                              functools.partial(_schedule, "1f1b", 2, 2, 1, 4, zero))
+
+
+@pytest.mark.slow
+def test_zero0_replicas_tied_embeddings_and_several_buckets_per_stage():
+    """ZeRO-0 over dp=2 (each replica's gradients and parameters compared: a replica that kept
+    its own numbers would fail), the embedding tied to the head (one weight read by the first and
+    the last stage, on different ranks) and 4 KiB buckets (several per stage), on 4 ranks."""
+    from piper_plugin.compiler import compile_job
+    from piper_plugin.runtime.job import Job
+    from parity import adamw, lm_data
+    from piper_plugin.models import lm_loss
+
+    cfg = ToyLMConfig(n_layers=2, tie_embeddings=True)
+    schedule = functools.partial(_bucketed, "1f1b", 2, 2, 1, 4, 0, 4096)
+    plan = compile_job(Job(functools.partial(_model, ToyLM, cfg, 2), lm_loss, lm_data(cfg, 16), schedule, adamw))[2]
+    buckets: dict[str, set] = {}
+    for node in plan.dag.nodes.values():
+        if node.kind.value == "ALL_REDUCE" and node.bucket is not None:
+            buckets.setdefault(node.region, set()).add(node.bucket)
+    assert buckets and all(len(b) > 1 for b in buckets.values()), buckets
+    check_distributed_parity(functools.partial(_model, ToyLM, cfg, 2), cfg, 16, schedule)
+
+
+@pytest.mark.slow
+def test_moe_over_data_times_expert_parallel_ranks():
+    """dp=2 x ep=2 on 4 ranks, ZeRO-0: dense gradients reduced over all four, each expert's over
+    its replica pair; every replica compared."""
+    cfg = ToyLMConfig(n_layers=1)
+    check_distributed_parity(functools.partial(_model, ToyMoELM, cfg, 1), cfg, 16,
+                             functools.partial(_schedule, "1f1b", 1, 2, 2, 4, 0))
 
 
 @pytest.mark.slow

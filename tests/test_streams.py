@@ -192,7 +192,7 @@ def test_a_completion_past_the_deadline_is_a_timeout():
     start = time.monotonic()
     with pytest.raises(TaskFailed, match="task r0 on stream 'recv' waited more than 1s"):
         _runner(_p2p_plan(), execute, timeout_s=1, inline="compute", posted={"recv", "send"}).run_step()
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 10  # a hang guard: the 1 s deadline, not a longer default, ended it
 
 
 def test_status_says_what_each_stream_does_while_a_step_runs():

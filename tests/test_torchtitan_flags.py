@@ -9,7 +9,7 @@ activation checkpointing, bf16 parameters and DCP checkpoints crossing engines
 (``test_torchtitan_zero``), validation (``test_torchtitan_parity``'s issue command), DCP save /
 resume (``test_torchtitan_checkpoint``); CUDA memory snapshots and CUDA graphs on CPU are
 refused by name (``test_torchtitan_flag_errors``). ``--checkpoint.initial_load_path`` has its
-own test below (a job that saves, then one per engine that starts from it). Interleaved1F1B with compile was checked by hand (it
+own test below (a job that saves, then one per engine and a single-device run that start from it). Interleaved1F1B with compile was checked by hand (it
 splits no backward but the last, as 1F1B).
 
 torch.compile runs with ``--compile.backend aot_eager``: AOTAutograd's graphs with donated
@@ -36,9 +36,9 @@ def _close(a: dict, b: dict, rel=1e-4):
     return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= rel * max(abs(a[k]), 1e-12) for k in a)
 
 
-def _run(tmp_path, name, config, engine, extra):
+def _run(tmp_path, name, config, engine, extra, nproc=2):
     run = run_titan_forked(config, engine, dump_folder=tmp_path / name, steps=STEPS, extra=[*BASE, *extra],
-                           timeout_s=600)
+                           timeout_s=600, nproc=nproc)
     assert run.ok, f"{name} ({engine}) failed (exit {run.returncode}):\n{run.tail()}"
     assert sorted(run.losses) == list(range(1, STEPS + 1)), run.tail()
     return run
@@ -82,16 +82,27 @@ def test_flag_row_matches_torchtitan(tmp_path, row, config, both, piper_only, ex
         assert "gradient accumulation steps 2" in piper.log, piper.tail()
 
 
-def test_initial_load_path_starts_both_engines_from_the_same_weights(tmp_path):
+def test_initial_load_path_starts_both_engines_and_one_device_from_the_same_weights(tmp_path):
     """``--checkpoint.initial_load_path``: a fresh job starts from another job's DCP checkpoint
     (model only, TorchTitan's default). Saved by TorchTitan's engine at step 2, loaded by each
-    engine: the same losses and grad norms, and not those of a start from the seed."""
+    engine: the same losses and grad norms, and not those of a start from the seed. Loaded also by
+    single-device training (1 rank, no pipeline, the whole batch at once): the Piper engine's
+    losses, grad norms and, per parameter, its gradients and parameters equal that run's."""
+    from test_torchtitan_zero import assert_same_state
+
     config = "llama3_debugmodel_pp2_1f1b"
     source = _run(tmp_path, "source", config, "torch", ["--checkpoint.enable", "--checkpoint.interval", "2"])
     step2 = tmp_path / "source" / "checkpoint" / "step-2"
     assert step2.is_dir(), sorted(str(p) for p in (tmp_path / "source").rglob("*"))[:40]
     load = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(step2)]
+
+    def dump(name):
+        return ["--piper.dump_state", str(tmp_path / name / "state"), "--piper.dump_steps", "1", str(STEPS)]
     reference = _run(tmp_path, "torch", config, "torch", load)
-    piper = _run(tmp_path, "piper", config, "piper", load)
+    piper = _run(tmp_path, "piper", config, "piper", [*load, *dump("piper")])
+    single = _run(tmp_path, "single", config, "torch", [*load, "--parallelism.pipeline_parallel_degree", "1",
+                                                        *dump("single")], nproc=1)
     _same(reference, piper)
+    _same(single, piper)
+    assert_same_state(tmp_path / "single" / "state", tmp_path / "piper" / "state", steps=(1, STEPS))
     assert abs(piper.losses[1] - source.losses[1]) > 1e-3 * source.losses[1], (piper.losses, source.losses)

@@ -40,21 +40,44 @@ def _assert_parity(reference, run):
 COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
 
 
+def _dump(tmp_path, name: str) -> list[str]:
+    return ["--piper.dump_state", str(tmp_path / name / "state"), "--piper.dump_steps", "1", str(STEPS)]
+
+
+def assert_same_state(want_dir, got_dir, steps=(1, STEPS), rel=1e-5):
+    """Per parameter (whole, by name, every one): the first step's gradients and the parameters
+    after the first and the last step, from ``--piper.dump_state`` files of two runs."""
+    from piper_plugin.adapters.torchtitan.dump_state import read_state
+
+    for step in steps:
+        want, got = read_state(want_dir, step), read_state(got_dir, step)
+        kinds = ("grads", "params") if step == steps[0] else ("params",)
+        for kind in kinds:
+            assert want[kind].keys() == got[kind].keys() and want[kind], (step, kind, sorted(want[kind].keys() ^ got[kind].keys()))
+            for name, w in want[kind].items():
+                err = float((got[kind][name] - w).norm() / w.norm().clamp_min(1e-12))
+                assert err <= rel, f"step {step}: {kind[:-1]} {name} differs by {err:.2e} relative"
+
+
 def test_llama3_zero_1_2_3_match_torchtitan_fsdp(tmp_path):
-    """ZeRO-3 runs under ``--compile.enable``: its per-block gathers and frees run around each
-    compiled block (outside the graph), against FSDP without compile (AOTAutograd's graphs compute
-    the same numbers; eager ZeRO-3 under TorchTitan is in the combinations below and the memory test)."""
+    """Losses and grad norms every step, and per parameter the first step's gradients and the
+    parameters after the first and the last step. ZeRO-3 runs under ``--compile.enable``: its
+    per-block gathers and frees run around each compiled block (outside the graph), against FSDP
+    without compile (AOTAutograd's graphs compute the same numbers; eager ZeRO-3 under TorchTitan
+    is in the combinations below and the memory test)."""
     config = "llama3_debugmodel_pp2_1f1b"
-    fsdp = _run(tmp_path, "torch", config, "torch")
+    fsdp = _run(tmp_path, "torch", config, "torch", _dump(tmp_path, "torch"))
     assert sorted(fsdp.losses) == list(range(1, STEPS + 1))
     for zero in (1, 2, 3):
         compiled = COMPILE if zero == 3 else []
-        piper = _run(tmp_path, f"zero{zero}", config, "piper", ["--piper.zero", str(zero), *compiled])
+        piper = _run(tmp_path, f"zero{zero}", config, "piper",
+                     ["--piper.zero", str(zero), *compiled, *_dump(tmp_path, f"zero{zero}")])
         assert f"2 stages on 2 ranks x ZeRO-{zero} over 2 data-parallel ranks" in piper.log, piper.tail()
         assert f"FSDP withheld: Piper's ZeRO-{zero}" in piper.log
         if compiled:
             assert "Piper: --compile.enable compiles the model's blocks" in piper.log, piper.tail()
         _assert_parity(fsdp, piper)
+        assert_same_state(tmp_path / "torch" / "state", tmp_path / f"zero{zero}" / "state")
 
 
 def test_simulated_memory_matches_the_measured_peak(tmp_path):

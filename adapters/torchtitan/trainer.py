@@ -20,6 +20,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from piper_plugin.adapters.torchtitan import cpu, resident, titan_log
+from piper_plugin.adapters.torchtitan.dump_state import dump_state
 from piper_plugin.adapters.torchtitan.flags import one_line_errors
 
 __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
@@ -61,6 +62,15 @@ class PiperOptions:
     (bytes of its live tensors), and once its RSS at start-up: with the ``memory:`` figure, the
     split of a step's peak (either engine; :mod:`.resident`)."""
 
+    dump_state: str | None = None
+    """Directory where every process writes, after each of ``dump_steps``, its parameters and
+    gradients as whole tensors by name (``step<N>_rank<R>.pt``; either engine;
+    :mod:`.dump_state`): for comparing engines parameter by parameter."""
+
+    dump_steps: list[int] = field(default_factory=list)
+    """The steps after which ``dump_state`` writes (empty: every step; each costs a gather of
+    every parameter and a file per process)."""
+
 
 class PiperTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
@@ -100,6 +110,9 @@ class PiperTrainer(Trainer):
             kept = resident.resident_bytes(self.model_parts, self.optimizers)
             others = resident.current_rss_bytes() - sum(kept.values())
         super().train_step(data_iterator)
+        if self.config.piper.dump_state and (not self.config.piper.dump_steps or self.step in self.config.piper.dump_steps):
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            dump_state(self.model_parts, self.config.piper.dump_state, self.step, rank)
         if split:
             held = resident.resident_bytes(self.model_parts, self.optimizers)
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
