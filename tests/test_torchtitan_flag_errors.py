@@ -3,7 +3,9 @@
 Each rank checks the same flags while TorchTitan builds the trainer; the refusal is one
 ``piper: error:`` line naming the flag and the fix, exit status 2, no traceback (issue #19's bad
 input: expert parallelism on a model without MoE layers, a DualPipeV stage count that does not
-fit, an expert degree that does not divide the experts; issue #22's CUDA-only flags on CPU (memory snapshot, CUDA graphs)).
+fit, an expert degree that does not divide the experts; issue #21's stage boundaries naming a
+module the model does not have or leaving modules in no stage (TorchTitan's own engine trains
+without them); issue #22's CUDA-only flags on CPU (memory snapshot, CUDA graphs)).
 """
 from types import SimpleNamespace
 
@@ -38,16 +40,23 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_refused_with_the_d
          "--parallelism.expert_parallel_degree", "2", "--piper.zero", "2", "activation-checkpoint:none"],
      "--parallelism.expert_parallel_degree 2: Llama3Model has no routed-expert (MoE) layer"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-         "--parallelism.module_fqns_per_model_part", "tok_embeddings", "layers.0", "lm_head",  # a part each
-         "--training.local_batch_size", "4"],
+         "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0,layers.1", "layers.2,layers.3",
+         "layers.4,layers.5,norm,lm_head", "--training.local_batch_size", "4"],  # three parts
      "Piper recipe 'dualpipev' does not fit 3 stages on pp=2"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+         "tok_embeddings,layers.0,layers.1,layers.2", "layers.99,layers.3,layers.4,layers.5,norm,lm_head"],
+     "--parallelism.module_fqns_per_model_part names 'layers.99', which Llama3Model does not have"),
+    (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+         "tok_embeddings,layers.0,layers.1", "layers.2,norm,lm_head"],  # TorchTitan's engine drops layers 3-5
+     "--parallelism.module_fqns_per_model_part leaves layers.3, layers.4, layers.5 in no stage"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--profiler.enable_memory_snapshot"],
      "--profiler.enable_memory_snapshot records the CUDA caching allocator's history"),
     (1, ["--training.no-disable-cuda-graphs"],  # with pp > 1 TorchTitan's own config check refuses it first
      "--training.no-disable-cuda-graphs asks for CUDA graph capture"),
     (2, ["--config", "llama3_debugmodel_float8_pp2_1f1b"],  # the last --config counts
      "TorchTitan's config llama3_debugmodel_float8 cannot be built here: torchao is not installed"),
-], ids=["ep-without-moe", "dualpipev-odd-stages", "cuda-memory-snapshot-on-cpu", "cuda-graphs-on-cpu",
+], ids=["ep-without-moe", "dualpipev-odd-stages", "stage-names-a-missing-module", "stage-modules-left-out",
+        "cuda-memory-snapshot-on-cpu", "cuda-graphs-on-cpu",
         "float8-without-torchao"])
 def test_a_refused_flag_ends_the_job_in_one_line(tmp_path, nproc, flags, expected):
     from titan_fork import run_titan_forked

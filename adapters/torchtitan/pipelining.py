@@ -79,6 +79,35 @@ def _compile(program, schedule_fn, world: int, split_last_backward: bool):
     return compiled  # its plan hash is the same in every process
 
 
+def _unit(model: nn.Module, param_name: str) -> str:
+    """The shortest module path above a parameter that is not a container (``layers`` is a
+    ModuleDict / ModuleList; ``layers.3`` is a unit a stage can take)."""
+    parts = param_name.split(".")
+    for depth in range(1, len(parts)):
+        name = ".".join(parts[:depth])
+        if not isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict)):
+            return name
+    return param_name
+
+
+def check_stage_modules(model: nn.Module, fqns: list[list[str]]) -> None:
+    """Every name in ``--parallelism.module_fqns_per_model_part`` is a module of the model, and
+    every parameter falls in some stage: a misspelt or left-out module would otherwise be
+    dropped from every stage and the model would train without it."""
+    modules = dict(model.named_modules())
+    units = list(dict.fromkeys(_unit(model, n) for n, _ in model.named_parameters()))
+    for name in (f for part in fqns for f in part):
+        if name not in modules:
+            raise FlagError(f"--parallelism.module_fqns_per_model_part names {name!r}, which {type(model).__name__} "
+                            f"does not have; its stage units are {', '.join(units[:4])}, ..., {units[-1]}")
+    named = [f for part in fqns for f in part]
+    left = [u for u in units if not any(u == f or u.startswith(f + ".") or f.startswith(u + ".") for f in named)]
+    if left:
+        raise FlagError(f"--parallelism.module_fqns_per_model_part leaves {', '.join(left)} in no stage: the model "
+                        f"would train without {'them' if len(left) > 1 else 'it'}; name every one of "
+                        f"{type(model).__name__}'s stage units in some part")
+
+
 def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelism, compile_config, ac_config,
                         dump_folder: str, device: torch.device, model_config, parallelize_fn, loss_fn,
                         options=None, alternate: bool = False) -> tuple[Any, list[nn.Module], bool, bool]:
@@ -95,6 +124,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                         f"engine: a recomputed MoE layer would exchange its tokens again inside the backward; "
                         f"end the command with activation-checkpoint:none")
     num_stages, num_layers, input_weight, output_weight = _get_pipeline_metadata(parallel_dims, parallelism, model_config)
+    if parallelism.module_fqns_per_model_part:
+        check_stage_modules(model, parallelism.module_fqns_per_model_part)
     fqns = parallelism.module_fqns_per_model_part or _generate_llm_fqn_per_model_part(
         num_stages, num_layers, input_weight, output_weight)
     num_stages = len(fqns)
