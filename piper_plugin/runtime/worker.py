@@ -88,6 +88,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.step_base_bytes = torch.cuda.memory_allocated(self.device)
+        rss_start = _reset_peak_rss()
         start = time.perf_counter()
         losses = self.executor.step(microbatches=microbatches)
         del microbatches
@@ -98,6 +99,9 @@ class Worker:
                                    "tokens_per_s": self.tokens_per_step / elapsed,
                                    "peak_memory_bytes": self.peak_memory(),
                                    "transient_peak_bytes": self.transient_peak(), "rss_bytes": resident_bytes()}
+        peak = _peak_rss()
+        if rss_start is not None and peak is not None:  # the kernel's count, independent of the meter
+            metrics["rss_step_peak_bytes"] = peak - rss_start
         if self.loss_group is not None:
             loss = torch.stack(losses).sum().reshape(1)
             dist.all_reduce(loss, group=self.loss_group)
@@ -161,6 +165,30 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset the kernel's peak resident size of this process to its current size (Linux:
+    ``/proc/self/clear_refs``) and return that size; None where the kernel offers no reset."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS:")
+
+
+def _peak_rss() -> int | None:
+    """The kernel's peak resident size of this process since the last reset (``VmHWM``)."""
+    return _status_kib("VmHWM:")
 
 
 def init_distributed(device: torch.device, timeout_s: float, **kwargs: Any) -> None:
