@@ -108,12 +108,14 @@ def test_torchtitan_ab_smoke(tmp_path, capsys):
     assert [(r[0], r[1]) for r in runs] == [("1F1B", "torch"), ("1F1B", "piper")]
     assert [r[0] for r in ratios] == ["1F1B"]
     s = summary["1F1B"]
-    assert s["torch_tps"] > 0 and s["piper_tps"] > 0 and s["ratio"] > 0
+    assert s["ratio"] == pytest.approx(s["piper_tps"] / s["torch_tps"]) and s["torch_tps"] > 0
     for engine in ("torch", "piper"):  # a measured peak for each of the two ranks
         assert sorted(s[f"{engine}_mem"]) == [0, 1] and all(m > 2 ** 20 for m in s[f"{engine}_mem"].values())
     assert s["cycles"] == 2 and s["cycle_ratio"] > 0  # steps 1-8 hold two torch-piper-piper-torch cycles
     assert len(s["run_ratios"]) == 1 and s["run_ratio"] == s["run_ratios"][0] > 0
-    assert 0 < s["loss"] < 20
+    # one trajectory through both engines: after 8 steps the loss is below the untrained debug
+    # model's (~8.1 at step 1 in every run here)
+    assert 0 < s["loss"] < 8.0, s["loss"]
 
 
 def test_zero_memory_reads_peaks_and_caps(capsys):

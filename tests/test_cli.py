@@ -85,9 +85,9 @@ def test_outputs_are_written(capsys, tmp_path):
     code, out, _ = run(capsys, "--recipe", "zb-h1", "--trace", str(trace), "--png", str(png), "--json", str(plan))
     assert code == 0
     events = json.loads(trace.read_text())["traceEvents"]
-    assert sum(e["ph"] == "X" for e in events) > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads(plan.read_text())
+    assert sum(e["ph"] == "X" for e in events) == len(data["nodes"])  # one span per task of the plan
     assert data["grid"] == {"pp": 2, "dp": 1, "ep": 1} and data["microbatches"] == 4
     assert "0BW3" in data["ranks"][0]["streams"]["compute"]
     assert all(str(p) in out for p in (trace, png, plan))
