@@ -110,9 +110,10 @@ class PiperTrainer(Trainer):
             kept = resident.resident_bytes(self.model_parts, self.optimizers)
             others = resident.current_rss_bytes() - sum(kept.values())
         super().train_step(data_iterator)
-        if self.config.piper.dump_state and (not self.config.piper.dump_steps or self.step in self.config.piper.dump_steps):
+        options = self.config.piper
+        if options.dump_state and (not options.dump_steps or self.step in options.dump_steps):
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            dump_state(self.model_parts, self.config.piper.dump_state, self.step, rank)
+            dump_state(self.model_parts, options.dump_state, self.step, rank)
         if split:
             held = resident.resident_bytes(self.model_parts, self.optimizers)
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

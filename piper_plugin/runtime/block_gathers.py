@@ -23,8 +23,9 @@ choice of what to gather or reduce depends on the block order and the task alone
 local values); a block's parameters are materialized while any code of the task may read them;
 each microbatch's gradient of a block is reduced exactly once (its ``.grad`` is taken into the
 payload). A freed block keeps its storage object (resized to 0 and back), so what a compiled
-block's forward saved of its parameters for the backward reads the gathered values again. Forwards run again inside a backward (activation checkpointing) and forwards outside
-a task (an evaluation, which gathers every bucket first) neither gather nor free.
+block's forward saved of its parameters for the backward reads the gathered values again.
+Forwards run again inside a backward (activation checkpointing) and forwards outside a task (an
+evaluation, which gathers every bucket first) neither gather nor free.
 """
 from __future__ import annotations
 
