@@ -11,17 +11,13 @@ from parity import check_distributed_parity
 RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
 
 
-def _schedule(recipe, pp, dp, ep, m, zero, program):
-    return apply_recipe(Schedule(program, pp=pp, dp=dp, ep=ep), recipe, microbatches=m, zero=zero)
+def _schedule(recipe, pp, dp, ep, m, zero, program, bucket_bytes=None):
+    return apply_recipe(Schedule(program, pp=pp, dp=dp, ep=ep), recipe, microbatches=m, zero=zero,
+                        bucket_bytes=bucket_bytes)
 
 
 def _model(cls, cfg, stages):
     return cls(cfg, stages=stages)
-
-
-def _bucketed(recipe, pp, dp, ep, m, zero, bucket_bytes, program):
-    return apply_recipe(Schedule(program, pp=pp, dp=dp, ep=ep), recipe, microbatches=m, zero=zero,
-                        bucket_bytes=bucket_bytes)
 
 
 def _check_parity(recipe, pp, dp=1, ep=1, zero=0, moe=False):
@@ -68,7 +64,7 @@ def test_zero0_replicas_tied_embeddings_and_several_buckets_per_stage():
     from piper_plugin.models import lm_loss
 
     cfg = ToyLMConfig(n_layers=2, tie_embeddings=True)
-    schedule = functools.partial(_bucketed, "1f1b", 2, 2, 1, 4, 0, 4096)
+    schedule = functools.partial(_schedule, "1f1b", 2, 2, 1, 4, 0, bucket_bytes=4096)
     plan = compile_job(Job(functools.partial(_model, ToyLM, cfg, 2), lm_loss, lm_data(cfg, 16), schedule, adamw))[2]
     buckets: dict[str, set] = {}
     for node in plan.dag.nodes.values():

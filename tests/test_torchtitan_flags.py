@@ -89,24 +89,22 @@ def test_initial_load_path_starts_both_engines_and_one_device_from_the_same_weig
     single-device training (1 rank, no pipeline, the whole batch at once): the Piper engine's
     losses, grad norms and, per parameter, its gradients and parameters equal that run's, under
     1F1B and under DualPipeV with the stock chunked loss."""
-    from test_torchtitan_zero import assert_same_state
+    from test_torchtitan_zero import assert_same_state, dump_flags
 
     config = "llama3_debugmodel_pp2_1f1b"
     source = _run(tmp_path, "source", config, "torch", ["--checkpoint.enable", "--checkpoint.interval", "2"])
     step2 = tmp_path / "source" / "checkpoint" / "step-2"
     assert step2.is_dir(), sorted(str(p) for p in (tmp_path / "source").rglob("*"))[:40]
     load = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.initial_load_path", str(step2)]
-
-    def dump(name):
-        return ["--piper.dump_state", str(tmp_path / name / "state"), "--piper.dump_steps", "1", str(STEPS)]
     reference = _run(tmp_path, "torch", config, "torch", load)
-    piper = _run(tmp_path, "piper", config, "piper", [*load, *dump("piper")])
+    piper = _run(tmp_path, "piper", config, "piper", [*load, *dump_flags(tmp_path / "piper", 1, STEPS)])
     single = _run(tmp_path, "single", config, "torch", [*load, "--parallelism.pipeline_parallel_degree", "1",
-                                                        *dump("single")], nproc=1)
+                                                        *dump_flags(tmp_path / "single", 1, STEPS)], nproc=1)
     # DualPipeV with the stock chunked loss, where TorchTitan's own split backward drops the last
     # stage's norm.weight gradient of a split microbatch (test_torchtitan_parity): Piper's is exact
     dualpipev = _run(tmp_path, "dualpipev", config, "piper", [
-        *load, "--parallelism.pipeline_parallel_schedule", "DualPipeV", *dump("dualpipev"), "activation-checkpoint:none"])
+        *load, "--parallelism.pipeline_parallel_schedule", "DualPipeV", *dump_flags(tmp_path / "dualpipev", 1, STEPS),
+        "activation-checkpoint:none"])
     assert "Piper: recipe dualpipev, 4 stages on 2 ranks" in dualpipev.log, dualpipev.tail()
     _same(reference, piper)
     _same(single, piper)

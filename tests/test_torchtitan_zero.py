@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+from test_torchtitan_flags import COMPILE  # noqa: E402
 from titan_fork import run_titan_forked  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,11 +38,9 @@ def _assert_parity(reference, run):
     assert _close(reference.grad_norms, run.grad_norms), (reference.grad_norms, run.grad_norms)
 
 
-COMPILE = ["--compile.enable", "--compile.backend", "aot_eager"]
-
-
-def _dump(tmp_path, name: str) -> list[str]:
-    return ["--piper.dump_state", str(tmp_path / name / "state"), "--piper.dump_steps", "1", str(STEPS)]
+def dump_flags(folder, *steps: int) -> list[str]:
+    """``--piper.dump_state`` into ``folder / "state"`` after ``steps``."""
+    return ["--piper.dump_state", str(folder / "state"), "--piper.dump_steps", *map(str, steps)]
 
 
 def assert_same_state(want_dir, got_dir, steps=(1, STEPS), rel=1e-5):
@@ -66,12 +65,12 @@ def test_llama3_zero_1_2_3_match_torchtitan_fsdp(tmp_path):
     without compile (AOTAutograd's graphs compute the same numbers; eager ZeRO-3 under TorchTitan
     is in the combinations below and the memory test)."""
     config = "llama3_debugmodel_pp2_1f1b"
-    fsdp = _run(tmp_path, "torch", config, "torch", _dump(tmp_path, "torch"))
+    fsdp = _run(tmp_path, "torch", config, "torch", dump_flags(tmp_path / "torch", 1, STEPS))
     assert sorted(fsdp.losses) == list(range(1, STEPS + 1))
     for zero in (1, 2, 3):
         compiled = COMPILE if zero == 3 else []
         piper = _run(tmp_path, f"zero{zero}", config, "piper",
-                     ["--piper.zero", str(zero), *compiled, *_dump(tmp_path, f"zero{zero}")])
+                     ["--piper.zero", str(zero), *compiled, *dump_flags(tmp_path / f"zero{zero}", 1, STEPS)])
         assert f"2 stages on 2 ranks x ZeRO-{zero} over 2 data-parallel ranks" in piper.log, piper.tail()
         assert f"FSDP withheld: Piper's ZeRO-{zero}" in piper.log
         if compiled:

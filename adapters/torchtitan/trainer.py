@@ -105,18 +105,17 @@ class PiperTrainer(Trainer):
         self._startup_rss = startup_rss
 
     def train_step(self, data_iterator):
-        split = self.config.piper.memory_split
+        options = self.config.piper
+        split = options.memory_split
         if split:  # what the process holds besides tensors as the step begins
             kept = resident.resident_bytes(self.model_parts, self.optimizers)
             others = resident.current_rss_bytes() - sum(kept.values())
         super().train_step(data_iterator)
-        options = self.config.piper
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if options.dump_state and (not options.dump_steps or self.step in options.dump_steps):
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             dump_state(self.model_parts, options.dump_state, self.step, rank)
         if split:
             held = resident.resident_bytes(self.model_parts, self.optimizers)
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             logger.info(resident.split_line(rank, self.step, held, self._startup_rss, cpu.last_peak_rss, others))
 
     def init_distributed(self):

@@ -98,8 +98,9 @@ class Worker:
         metrics: dict[str, Any] = {"step": self.step_index, "rank": self.rank, "step_time_s": elapsed,
                                    "tokens_per_s": self.tokens_per_step / elapsed,
                                    "peak_memory_bytes": self.peak_memory(),
-                                   "transient_peak_bytes": self.transient_peak(), "rss_bytes": resident_bytes()}
-        peak = _peak_rss()
+                                   "transient_peak_bytes": self.transient_peak()}
+        rss, peak = _status_bytes("VmRSS:", "VmHWM:")
+        metrics["rss_bytes"] = rss
         if rss_start is not None and peak is not None:  # the kernel's count, independent of the meter
             metrics["rss_step_peak_bytes"] = peak - rss_start
         if self.loss_group is not None:
@@ -157,22 +158,19 @@ class Worker:
         return total + sum(p.numel() * p.element_size() for p in self.state.unbucketed().values() if p.requires_grad)
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory now (Linux ``/proc``; None elsewhere): what a leak outside
-    the meter's view (Python objects, traces, message buffers) would grow."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _status_kib(field: str) -> int | None:
+def _status_bytes(*fields: str) -> tuple[int | None, ...]:
+    """Sizes from ``/proc/self/status`` (Linux; None elsewhere), one read: ``VmRSS`` is the resident
+    memory now (what a leak outside the meter's view, such as Python objects, traces or message
+    buffers, would grow), ``VmHWM`` its peak since the last :func:`_reset_peak_rss`."""
+    found: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
+            for line in f:
+                if line.startswith(fields):
+                    found[line.split()[0]] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return tuple(found.get(field) for field in fields)
 
 
 def _reset_peak_rss() -> int | None:
@@ -183,12 +181,7 @@ def _reset_peak_rss() -> int | None:
             f.write("5")
     except OSError:
         return None
-    return _status_kib("VmRSS:")
-
-
-def _peak_rss() -> int | None:
-    """The kernel's peak resident size of this process since the last reset (``VmHWM``)."""
-    return _status_kib("VmHWM:")
+    return _status_bytes("VmRSS:")[0]
 
 
 def init_distributed(device: torch.device, timeout_s: float, **kwargs: Any) -> None:
