@@ -1,7 +1,9 @@
 """A distributed run against single-device training: the worst relative errors.
 
 The reference trains ``job``'s model the plain way (same seed, same batches, the job's own
-optimizer and LR scheduler) on the CPU in fp32: plain PyTorch, no Piper code. A run is compared
+optimizer and LR scheduler) on the CPU: plain PyTorch, no Piper code; in fp32 on whole batches,
+or, for a job under bf16 autocast, by plain gradient accumulation over the microbatches the plan
+cuts (bf16 rounds each microbatch's products, so that is the run a strategy must equal). A run is compared
 by every step's loss as the last-stage ranks reported it, and by the gradients and parameters
 stitched whole from the pieces every rank captured (``Job.capture_grads``): every step's
 gradients and the parameters after it, each by name, every data-parallel replica compared.
@@ -39,10 +41,13 @@ class ParityErrors:
         return max(self.loss, self.grad, self.param)
 
 
-def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]]) -> ParityErrors:
+def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]],
+                         accumulate: int = 1) -> ParityErrors:
     """Train ``job.steps`` steps on one device and compare every step; raises when a step has no
     loss or the ranks' pieces do not cover every parameter. ``per_rank`` (the ranks' final
-    results) is compared after the last step too, when it holds pieces."""
+    results) is compared after the last step too, when it holds pieces. ``accumulate``: the
+    reference cuts each batch into this many equal slices and accumulates their gradients
+    (each slice's loss / ``accumulate``), as a plain gradient-accumulation loop does."""
     reference = job.build_model()
     named = list(reference.named_parameters())
     optimizer = job.optimizer_fn(ParamList([p for _, p in named], [n for n, _ in named]))
@@ -50,14 +55,12 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
     data = job.data_fn(job.seed)
     errors = ParityErrors()
     for step in range(job.steps):
-        *inputs, target = next(data)
-        loss = job.loss_fn(reference(*inputs), target)
-        loss.backward()
+        loss = _accumulated_step(job, reference, next(data), accumulate)
         losses = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
         if not losses:
             raise ValueError(f"no last-stage rank reported a loss for step {step}")
         for got in losses:
-            errors.note("loss", abs(got - loss.item()) / abs(loss.item()), f"step {step}: {got} vs {loss.item()}")
+            errors.note("loss", abs(got - loss) / abs(loss), f"step {step}: {got} vs {loss}")
         # a parameter without a gradient (frozen, unused) is compared as zeros
         grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                  for n, p in reference.named_parameters()}
@@ -72,6 +75,18 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
     if per_rank and all("grad_pieces" in r for r in per_rank.values()):
         _compare(errors, job.steps - 1, grads, params, list(per_rank.values()))
     return errors
+
+
+def _accumulated_step(job: Job, model: torch.nn.Module, batch: tuple[torch.Tensor, ...], slices: int) -> float:
+    """One step's forward and backward over ``slices`` equal slices of ``batch`` (under the job's
+    autocast, if any); returns the batch's loss."""
+    total = 0.0
+    for *inputs, target in zip(*[t.chunk(slices) for t in batch]):
+        with torch.autocast("cpu", dtype=job.autocast, enabled=job.autocast is not None):
+            loss = job.loss_fn(model(*inputs), target) / slices
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 def _compare(errors: ParityErrors, step: int, grads: dict, params: dict, ranks: list[dict[str, Any]]) -> None:

@@ -54,6 +54,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     train.add_argument("--on-nan", choices=("stop", "skip"), default="stop",
                        help="a step whose loss is NaN or infinite: stop the job naming it (default), or skip "
                             "it: no rank applies its update")
+    train.add_argument("--autocast", choices=("bf16",),
+                       help="mixed precision: every forward and the loss under torch.autocast in bf16 on the "
+                            "ranks' device; parameters, gradients and AdamW state stay fp32 (default: fp32)")
     train.add_argument("--checkpoint", type=Path, metavar="DIR",
                        help="save DIR/step-<N> (torch.distributed.checkpoint) after the last step and every "
                             "--checkpoint-every steps")
@@ -160,6 +163,8 @@ def _check(args: argparse.Namespace, setup) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import torch
+
     from piper_plugin.scheduler.simulate import simulate
     from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
@@ -180,7 +185,7 @@ def run_train(args: argparse.Namespace) -> int:
                   checkpoint_dir=str(args.checkpoint) if args.checkpoint else None,
                   checkpoint_every=args.checkpoint_every, resume_from=str(resumed[0]) if resumed else None,
                   first_step=resumed[1]["step"] if resumed else 0, description=described,
-                  on_nonfinite_loss=args.on_nan)
+                  on_nonfinite_loss=args.on_nan, autocast=torch.bfloat16 if args.autocast == "bf16" else None)
     spmd = args.launcher == "spmd"
     leader = not spmd or int(os.environ.get("RANK", "0")) == 0
     say = print if leader else (lambda *a, **k: None)

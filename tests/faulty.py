@@ -54,3 +54,21 @@ def data(seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
         yield torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def cast_while_training(h: torch.Tensor) -> torch.Tensor:
+    """bf16 while gradients are on: the one-microbatch shape probe (no gradients) sees fp32."""
+    return h.to(torch.bfloat16) if torch.is_grad_enabled() else h
+
+
+torch.fx.wrap("cast_while_training")
+
+
+class ShiftingDtype(TwoStage):
+    """Stage 0's output changes dtype between the probe and the run."""
+
+    def forward(self, x):
+        with piper.annotate(PP=0):
+            h = cast_while_training(torch.relu(self.a(x)))
+        with piper.annotate(PP=1):
+            return self.b(h.float())

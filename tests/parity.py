@@ -78,9 +78,11 @@ def lm_data(cfg, batch: int):
     return data_fn
 
 
-def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int = 3) -> list[dict]:
-    """Train on forked gloo ranks and compare with one device: every step's loss, and every
-    rank's gradient and parameter pieces after the last step."""
+def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int = 3,
+                             autocast: torch.dtype | None = None) -> list[dict]:
+    """Train on forked gloo ranks and compare with one device: every step's loss, gradients and
+    parameters. Under ``autocast`` the reference accumulates over the plan's microbatches
+    (:func:`~benchmarks.parity_oracle.single_device_errors`)."""
     from piper_plugin.models import lm_loss
     from piper_plugin.compiler import compile_job
     from piper_plugin.runtime.job import Job
@@ -88,11 +90,12 @@ def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int 
     from benchmarks.parity_oracle import single_device_errors
 
     job = Job(model_fn, lm_loss, lm_data(cfg, batch), schedule_fn, adamw, steps=steps, capture_grads=True,
-              timeout_s=60)
+              timeout_s=60, autocast=autocast)
     program, _, plan, _ = compile_job(job)
     metrics: list[dict] = []
     per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
-    errors = single_device_errors(job, metrics, per_rank)
+    slices = plan.microbatches * plan.grid.data_shards if autocast is not None else 1
+    errors = single_device_errors(job, metrics, per_rank, accumulate=slices)
     for kind in ("loss", "grad", "param"):
         err = getattr(errors, kind)
         assert err < TOL, f"{kind} differs by {err:.2e} ({errors.where[kind]})"

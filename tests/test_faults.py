@@ -146,3 +146,17 @@ def test_the_root_cause_of_timed_out_waits_is_the_wait_on_the_silent_rank():
     busy = (3, "TimeoutError('waited more than 3s: rank 3 still computing 3F@m1')", "")
     assert root_cause([collective, busy]) == busy
     assert root_cause([]) is None
+
+
+def test_a_message_whose_dtype_differs_from_its_probe_is_named_by_the_sender():
+    """The receiver allocates from the probe's spec; a value sent in another dtype would make
+    gloo abort the receiving process with no word of why. The sender names value and dtypes."""
+    job = Job(faulty.ShiftingDtype, faulty.mse, faulty.data, _schedule, functools.partial(torch.optim.SGD, lr=0.1),
+              steps=2, timeout_s=20.0)
+    program, _, plan, _ = compile_job(job)
+    with pytest.raises(WorkerFailed) as info:
+        run_forked(job, program, plan)
+    assert info.value.rank == 0, str(info.value)
+    assert re.search(r"would send \S+ as torch\.bfloat16 \(2, 8\) but its receiver expects torch\.float32 \(2, 8\)",
+                     str(info.value)), str(info.value)
+    assert multiprocessing.active_children() == []

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from piper_plugin.cli import main
 
@@ -149,3 +150,19 @@ def test_spmd_under_torchrun_slow(tmp_path):
     assert len(step_lines(done.stdout)) == 2 and done.stdout.count("train    ") == 1
     assert len(read_jsonl(metrics)) == 4
     assert (tmp_path / "t" / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_autocast_bf16_trains_as_a_plain_autocast_loop(capsys, tmp_path):
+    """--autocast bf16: every step's loss equals a plain loop's under CPU autocast that
+    accumulates the same 4 microbatches (bf16 rounds each microbatch's products)."""
+    from benchmarks.parity_oracle import single_device_errors
+    from piper_plugin.training import toy_job
+
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--launcher", "fork", "--steps", "3", "--autocast", "bf16",
+                           "--metrics", str(metrics))
+    assert code == 0, err
+    job = toy_job(None, stages=2, layers=2, batch=8, seq=32, steps=3, autocast=torch.bfloat16)
+    errors = single_device_errors(job, read_jsonl(metrics), {}, accumulate=4)
+    assert errors.loss < 1e-5, errors

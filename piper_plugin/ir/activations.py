@@ -32,7 +32,7 @@ from piper_plugin.ir.graph import BackwardBytes, Rise
 from piper_plugin.autograd.split_backward import backward_input
 from piper_plugin.autograd.working_memory import WorkingMemory
 
-__all__ = ["RegionMemory", "region_memory", "saved_activation_bytes"]
+__all__ = ["RegionMemory", "fake_copy", "region_memory", "saved_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -43,20 +43,20 @@ class RegionMemory:
     backward: BackwardBytes
 
 
-def _fake_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
-    """``model`` with every parameter a fake CPU tensor (no parameter data is copied)."""
+def fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device | str = "cpu") -> nn.Module:
+    """``model`` with every parameter and buffer a fake tensor on ``device`` (no data is copied)."""
+    device = torch.device(device)
     memo = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
             for p in model.parameters()}
     clone = copy.deepcopy(model, memo)
     for module in clone.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                fake = FakeTensor(mode, torch.empty(p.shape, dtype=p.dtype, device="meta"), torch.device("cpu"))
+                fake = FakeTensor(mode, torch.empty(p.shape, dtype=p.dtype, device="meta"), device)
                 module._parameters[name] = nn.Parameter(fake, p.requires_grad)
         for name, b in list(module._buffers.items()):
             if b is not None:
-                module._buffers[name] = FakeTensor(mode, torch.empty(b.shape, dtype=b.dtype, device="meta"),
-                                                   torch.device("cpu"))
+                module._buffers[name] = FakeTensor(mode, torch.empty(b.shape, dtype=b.dtype, device="meta"), device)
     return clone
 
 
@@ -85,7 +85,7 @@ def _region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequenc
                    measure: Container[str] | None) -> dict[str, RegionMemory]:
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     if fake:
-        model = _fake_copy(model, mode)
+        model = fake_copy(model, mode)
         inputs = [mode.from_tensor(t.to("cpu") if t.device.type == "meta" else t) if isinstance(t, torch.Tensor)
                   else t for t in inputs]
     chunks = program.instantiate(model, loss_fn)

@@ -35,7 +35,7 @@ def _forward(state: RankState, node: Node) -> None:
         else:
             raise RuntimeError(f"rank {state.rank}: {node.key} did not receive input {v!r}")
     chunk = state.chunks[node.region]
-    with state.meter.window(node.key, saves=True), state.block_task(node.region, "F"):
+    with state.meter.window(node.key, saves=True), state.block_task(node.region, "F"), state.forward_context():
         piece = getattr(chunk, "forward_piece", None)  # a piece of a paused forward (hand-offs)
         outputs = dict(zip(region.outputs, piece(mb, args) if piece is not None else chunk(*args)))
     state.saved[(node.region, mb)] = (leaves, outputs)

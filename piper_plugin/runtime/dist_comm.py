@@ -134,6 +134,16 @@ class DistComm:
         with self._sends_lock:
             self.sends.append((work, tensor, nbytes, meter))
 
+    def _check_spec(self, state: RankState, node: Node, name: str, value: torch.Tensor) -> None:
+        """The receiver allocates from the probed spec: a message of another shape or dtype
+        would corrupt the stream (gloo aborts the process), so the sender names it instead."""
+        spec = self.specs.get(name.removeprefix("grad:"))
+        if spec is not None and spec.is_tensor and (tuple(value.shape) != spec.shape or value.dtype != spec.dtype):
+            raise RuntimeError(f"rank {state.rank}: {node.key} would send {name} as {value.dtype} {tuple(value.shape)} "
+                               f"but its receiver expects {spec.dtype} {spec.shape} (probed on one microbatch, without "
+                               f"gradients, before the job started): a value that crosses ranks keeps one shape and "
+                               f"dtype; for mixed precision set Job(autocast=torch.bfloat16) rather than casting by mode")
+
     def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
         """The other side of a SEND / RECV: its process rank and the pair's communicator."""
         dag = self.plan.dag
@@ -207,6 +217,7 @@ class DistComm:
             for name in sorted(values):
                 value = values[name]
                 if isinstance(value, torch.Tensor):
+                    self._check_spec(state, node, name, value)
                     tensor = value.contiguous()
                     work = dist.isend(tensor, dst=dst, group=group)
                     self._add_send(work, tensor, value.numel() * value.element_size(), state.meter)

@@ -74,6 +74,9 @@ class ExecutorConfig:
     weights) in the parameters' dtype, reduce gradients in ``reduce_dtype``; None: as is.
     ``experts_sharded``: the host hands over every expert-sharded region's parameters already cut
     to this rank's experts (as plain tensors or DTensors); False: whole, Piper keeps its slice.
+    ``autocast``: every forward (the loss's too) runs under ``torch.autocast`` on the rank's device
+    in this dtype, as a single-device loop wrapping model and loss in autocast does; parameters,
+    gradients, reductions and optimizer state keep their own dtypes. None: no autocast.
     ``skip_nonfinite_loss``: a step whose loss is NaN or infinite on any microbatch of any rank
     applies no update anywhere (:mod:`.update_gate`; every rank of the world builds it).
     """
@@ -87,6 +90,7 @@ class ExecutorConfig:
     reduce_dtype: torch.dtype | None = None
     experts_sharded: bool = False
     skip_nonfinite_loss: bool = False
+    autocast: torch.dtype | None = None
 
     def runner(self) -> RunnerConfig:
         """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
@@ -147,6 +151,7 @@ class Executor:
                                mixed_precision=(config.param_dtype, config.reduce_dtype),
                                experts_sharded=config.experts_sharded)
         self.state.snapshot_grads = config.capture_grads
+        self.state.autocast = config.autocast
         if config.loss_scale is not None:
             self.state.scale = config.loss_scale
         self.state.meter.track_saved = config.track_saved_memory
@@ -346,7 +351,8 @@ class Executor:
                     else:  # kept: another region of this rank may read it too
                         values[v] = self._eval_recv(v, placement[producer[v]], tags[v])
                         args.append(values[v])
-                outputs = dict(zip(region.outputs, state.chunks[region.name](*args)))
+                with state.forward_context():
+                    outputs = dict(zip(region.outputs, state.chunks[region.name](*args)))
                 values.update(outputs)
                 for v, t in outputs.items():
                     for pp in consumers[v]:

@@ -9,7 +9,9 @@ included, and ZeRO rebinds its groups to shards). ``schedule_fn``
 turns the captured program into a :class:`Schedule` (its grid sets the world size).
 ``checkpoint_dir`` / ``checkpoint_every`` / ``resume_from`` save and resume the job
 (:mod:`~piper_plugin.runtime.train_checkpoint`): steps run from ``first_step`` (the resumed
-checkpoint's step) to ``steps``.
+checkpoint's step) to ``steps``. ``autocast`` (e.g. ``torch.bfloat16``): mixed precision as a
+single-device loop gets it by running model and loss under ``torch.autocast``: every forward
+runs so; parameters, gradients and optimizer state stay in their own dtype.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class Job:
     first_step: int = 0  # the resumed checkpoint's step
     description: dict = field(default_factory=dict)  # what a checkpoint records about the job
     on_nonfinite_loss: str = "stop"  # "stop": end the job naming the step; "skip": no rank applies that step
+    autocast: torch.dtype | None = None  # forwards under torch.autocast(device, dtype); None: as the model is
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.seed)

@@ -8,10 +8,9 @@ ZeRO-3 buckets live until their last consumer finishes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import contextlib
 import threading
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -71,6 +70,7 @@ class RankState:
         self.pending_bw: dict[tuple[str, int], PendingWeightGrads] = {}
         self.split_pays: dict[str, bool] = {}  # region -> BI + BW cost no more than one backward
         self.update_gate = None  # a FiniteLossGate: UPDATEs apply only if every loss was finite
+        self.autocast: torch.dtype | None = None  # forwards run under torch.autocast in this dtype
         self.inputs: dict[str, list[torch.Tensor]] = {}
         self.batch_shapes: tuple = ()  # every microbatch's input shapes, by input name
         self.losses: list[torch.Tensor] = []
@@ -143,6 +143,13 @@ class RankState:
         self.inputs = self.microbatches(inputs)
         self.batch_shapes = tuple((name, tuple(tuple(t.shape) for t in mbs)) for name, mbs in self.inputs.items())
         self.losses = []
+
+    def forward_context(self):
+        """What a forward runs under: ``torch.autocast`` on this rank's device when the job asks
+        for mixed precision (backwards run in the dtypes their forwards chose)."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     def block_task(self, region: str, kind: str):
         """Context of one of ``region``'s tasks: its ZeRO-3 blocks' hooks serve it, if it has any."""

@@ -6,13 +6,15 @@ size: the receiver takes them from here and nothing is sent.
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from piper_plugin.ir.activations import fake_copy
 from piper_plugin.ir.capture import Program
 
 __all__ = ["ValueSpec", "probe_values"]
@@ -32,14 +34,22 @@ class ValueSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
-def probe_values(program: Program, model: nn.Module, loss_fn: Callable, microbatch: dict[str, torch.Tensor]) -> dict[str, ValueSpec]:
-    """Run every region once on meta tensors with microbatch-sized inputs."""
-    meta_model = copy.deepcopy(model).to("meta") if any(not p.is_meta for p in model.parameters()) else model
-    chunks = program.instantiate(meta_model, loss_fn)
-    values: dict[str, Any] = {k: v.to("meta") for k, v in microbatch.items()}
-    for name, region in program.regions.items():
-        outputs = chunks[name](*[values[v] for v in region.inputs])
-        values.update(zip(region.outputs, outputs))
+def probe_values(program: Program, model: nn.Module, loss_fn: Callable, microbatch: dict[str, torch.Tensor], *,
+                 autocast: torch.dtype | None = None, device: torch.device | str = "cpu") -> dict[str, ValueSpec]:
+    """Run every region once with microbatch-sized inputs on fake tensors of ``device`` (no data,
+    the device's kernels and dtype rules: autocast inside the model's own code applies), under
+    ``torch.autocast`` in the job's ``autocast`` dtype if it has one."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(device)
+    fake = fake_copy(model, mode, device)
+    chunks = program.instantiate(fake, loss_fn)
+    values: dict[str, Any] = {k: FakeTensor(mode, torch.empty(v.shape, dtype=v.dtype, device="meta"), device)
+                              for k, v in microbatch.items()}
+    cast = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with mode, torch.no_grad(), cast:
+        for name, region in program.regions.items():
+            outputs = chunks[name](*[values[v] for v in region.inputs])
+            values.update(zip(region.outputs, outputs))
     specs = {}
     for name, value in values.items():
         if isinstance(value, torch.Tensor):
@@ -47,3 +57,4 @@ def probe_values(program: Program, model: nn.Module, loss_fn: Callable, microbat
         else:
             specs[name] = ValueSpec(None, None, value)
     return specs
+

@@ -49,10 +49,11 @@ class Worker:
                  for name, t in zip(program.input_names, first)}
         with torch.device("meta"):
             meta_model = job.model_fn()
-        specs = probe_values(program, meta_model, job.loss_fn, micro)
+        specs = probe_values(program, meta_model, job.loss_fn, micro, autocast=job.autocast, device=self.device)
         self.executor = Executor(plan, program, rank, model, job.loss_fn, specs=specs, optimizer_fn=job.optimizer_fn,
                                  config=ExecutorConfig(timeout_s=job.timeout_s, capture_grads=job.capture_grads,
-                                                       skip_nonfinite_loss=job.on_nonfinite_loss == "skip"))
+                                                       skip_nonfinite_loss=job.on_nonfinite_loss == "skip",
+                                                       autocast=job.autocast))
         self.state, self.comm, self.runner = self.executor.state, self.executor.comm, self.executor.runner
         self.schedulers = [job.lr_scheduler_fn(o) for o in self.state.optimizers.values()] if job.lr_scheduler_fn else []
         self.loss_group = self._loss_group(program)
