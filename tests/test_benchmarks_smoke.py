@@ -86,8 +86,9 @@ def test_memory_check_smoke(tmp_path, capsys):
     table = _table_rows(out.read_text())
     expected = [(recipe, str(rank)) for recipe in memory_check.RECIPES for rank in range(2)]
     assert [(r[0], r[1]) for r in table] == expected
-    for r in rows:
-        assert r["sim"] > 0 and r["measured"] > 0 and r["sim_fixed"] > 0 and r["measured_fixed"] > 0
+    for r in rows:  # byte counts, not timings: deterministic (this tiny model: 0.91-1.01)
+        assert 0.85 < r["sim"] / r["measured"] < 1.15 and 0.85 < r["sim_fixed"] / r["measured_fixed"] < 1.15, r
+    assert "goal: within 10%" in out.read_text()
 
 
 @pytest.mark.slow
@@ -223,9 +224,10 @@ def test_megatron_ab_smoke(tmp_path, capsys):
     assert "Command: `python -m benchmarks.megatron_ab" in text
     rows = _table_rows(text)
     assert [r[0] for r in rows] == ["1f1b", "interleaved", "dualpipev-moe"]
-    assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].startswith("**") for r in rows)
-    for row in rows[:2]:  # same layout, same seed: both engines' first step sees the same model and batch
-        assert row[5].split(" / ")[0] == row[6].split(" / ")[0]
+    for row in rows:  # the ratio is the two medians' (to their printed resolution)
+        assert float(row[3].strip("*")) == pytest.approx(float(row[1]) / float(row[2]), abs=2e-3), row
+    for row in rows[:2]:  # same layout, same seed: both engines train alike (step 2 after one update)
+        assert row[5] == row[6], row
 
 
 def test_compile_ab_pairs_each_rounds_jobs_and_reports_both_engines(tmp_path, monkeypatch, capsys):

@@ -125,7 +125,9 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     data = json.loads(profile.read_text())
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
     assert data["latency_s"] > 0 < data["collective_latency_s"] and all(c >= 0 for cs in data["compute"].values() for c in cs)
-    assert len(data["jobs"]) >= 4 and all(j["predicted_step_s"] > 0 < j["measured_step_s"] for j in data["jobs"])
+    assert len(data["jobs"]) >= 4
+    for job in data["jobs"]:  # noise moves each by up to ~30% here; a lost term or unit would not fit
+        assert 0.5 < job["predicted_step_s"] / job["measured_step_s"] < 2.0, job
     tune = _piper(capsys, "tune", *sizes, "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
     first = next(l for l in tune.stdout.splitlines() if l.split()[:1] == ["1"])
