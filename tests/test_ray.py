@@ -68,14 +68,14 @@ def _rank_actors() -> list[str]:
 
 
 @pytest.mark.parametrize("fault,call,timeout_s,expected", [
-    ("raise", 2, 20, "rank 1: task 1F0 on stream 'compute' failed: RuntimeError('boom inside the stage-1 chunk')"),
-    ("die", 3, 20, "actor died"),
+    ("raise", 2, 120, "rank 1: task 1F0 on stream 'compute' failed: RuntimeError('boom inside the stage-1 chunk')"),
+    ("die", 3, 120, "actor died"),
     ("stall", 2, 4, "(a message from rank 1)"),  # rank 0's own timeout names whom it waited for
 ])
 def test_ray_actor_failure_stops_the_job(ray_cluster, fault, call, timeout_s, expected):
-    """Raise inside a chunk, die mid-step, stall past the timeout: the job stops within the
-    timeout (+5 s the driver gives ranks to report first), naming the rank, and no rank actor
-    is left."""
+    """Raise inside a chunk, die mid-step, stall past the 4 s timeout: the job stops naming the
+    rank, and no rank actor is left. The time bound is a hang guard: an error that reached no
+    other rank would end at the 120 s timeout (a stalled rank sleeps 120 s), against seconds."""
     job = Job(functools.partial(faulty.TwoStage, fault=fault, rank=1, call=call), faulty.mse, faulty.data,
               lambda p: apply_recipe(Schedule(p, pp=2), "gpipe", microbatches=2),
               functools.partial(torch.optim.SGD, lr=0.1), steps=3, timeout_s=timeout_s)
@@ -86,7 +86,7 @@ def test_ray_actor_failure_stops_the_job(ray_cluster, fault, call, timeout_s, ex
     message = str(info.value).splitlines()[0]
     assert expected in message, message
     assert info.value.rank == (0 if fault == "stall" else 1)
-    assert time.monotonic() - start < timeout_s + 5 + 15  # + starting two actors
+    assert time.monotonic() - start < 60  # starting two actors included
     deadline = time.monotonic() + 10  # ray.kill returns before the processes are gone
     while _rank_actors() and time.monotonic() < deadline:
         time.sleep(0.2)

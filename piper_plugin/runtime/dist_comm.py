@@ -141,8 +141,9 @@ class DistComm:
         if spec is not None and spec.is_tensor and (tuple(value.shape) != spec.shape or value.dtype != spec.dtype):
             raise RuntimeError(f"rank {state.rank}: {node.key} would send {name} as {value.dtype} {tuple(value.shape)} "
                                f"but its receiver expects {spec.dtype} {spec.shape} (probed on one microbatch, without "
-                               f"gradients, before the job started): a value that crosses ranks keeps one shape and "
-                               f"dtype; for mixed precision set Job(autocast=torch.bfloat16) rather than casting by mode")
+                               f"gradients, before the job started): a value that crosses ranks keeps the shape and "
+                               f"dtype of that probe; run mixed precision through Job(autocast=...), which the probe "
+                               f"sees, not through casts that depend on grad mode or on the data")
 
     def channel(self, node: Node) -> tuple[int, dist.ProcessGroup]:
         """The other side of a SEND / RECV: its process rank and the pair's communicator."""
