@@ -79,10 +79,11 @@ def lm_data(cfg, batch: int):
 
 
 def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int = 3,
-                             autocast: torch.dtype | None = None) -> list[dict]:
+                             autocast: torch.dtype | None = None):
     """Train on forked gloo ranks and compare with one device: every step's loss, gradients and
     parameters. Under ``autocast`` the reference accumulates over the plan's microbatches
-    (:func:`~benchmarks.parity_oracle.single_device_errors`)."""
+    (:func:`~benchmarks.parity_oracle.single_device_errors`). Returns the job, its program, every
+    step's metrics and the ranks' final results, for further checks."""
     from piper_plugin.models import lm_loss
     from piper_plugin.compiler import compile_job
     from piper_plugin.runtime.job import Job
@@ -99,4 +100,4 @@ def check_distributed_parity(model_fn, cfg, batch: int, schedule_fn, steps: int 
     for kind in ("loss", "grad", "param"):
         err = getattr(errors, kind)
         assert err < TOL, f"{kind} differs by {err:.2e} ({errors.where[kind]})"
-    return metrics
+    return job, program, metrics, per_rank

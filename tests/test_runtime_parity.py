@@ -163,29 +163,20 @@ def test_bf16_autocast_equals_single_device_gradient_accumulation(model, recipe,
     """Job(autocast=torch.bfloat16) runs every forward under CPU autocast; the reference is a
     plain loop under autocast accumulating the same microbatches (bf16 rounds each one's
     products). A run that ignored autocast would be off by ~1e-2 (fp32 against bf16)."""
-    from piper_plugin.compiler import compile_job
-    from piper_plugin.runtime.job import Job
-    from piper_plugin.runtime.launch.processes import run_forked
     from piper_plugin.runtime.value_specs import probe_values
     from piper_plugin.models import lm_batch, lm_loss
     from benchmarks.parity_oracle import single_device_errors
-    from parity import adamw, lm_data
 
     stages = stages_needed(recipe, pp)
     cfg = ToyLMConfig(n_layers=stages)
     model_fn = functools.partial(_model, model, cfg, stages)
-    job = Job(model_fn, lm_loss, lm_data(cfg, 8 * dp), functools.partial(_schedule, recipe, pp, dp, 1, 4, zero),
-              adamw, steps=3, capture_grads=True, timeout_s=60, autocast=torch.bfloat16)
-    program, _, plan, _ = compile_job(job)
+    job, program, metrics, per_rank = check_distributed_parity(
+        model_fn, cfg, 8 * dp, functools.partial(_schedule, recipe, pp, dp, 1, 4, zero), autocast=torch.bfloat16)
     if model is Bf16Boundary:  # the message crossing ranks is bf16, and sent as such
         tokens, target = lm_batch(cfg, 2)
         specs = probe_values(program, model_fn(), lm_loss, dict(zip(program.input_names, (tokens, target))),
                              autocast=torch.bfloat16)
         crossing = [v for r in program.regions.values() for v in r.inputs if v not in program.input_names]
         assert {specs[v].dtype for v in crossing} == {torch.bfloat16}, {v: specs[v].dtype for v in crossing}
-    metrics: list[dict] = []
-    per_rank = run_forked(job, program, plan, on_metrics=metrics.append)
-    errors = single_device_errors(job, metrics, per_rank, accumulate=4 * dp)
-    assert errors.worst() < 1e-5, errors
     job.autocast = None  # the same run against fp32 training: autocast really ran
     assert single_device_errors(job, metrics, per_rank, accumulate=4 * dp).grad > 1e-3

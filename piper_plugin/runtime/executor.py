@@ -31,6 +31,7 @@ from piper_plugin.runtime.block_gathers import BlockGathers
 from piper_plugin.runtime.compute import run_compute
 from piper_plugin.runtime.dist_comm import DistComm
 from piper_plugin.runtime.host_faces import HostFaces, unwrap_faces
+from piper_plugin.runtime.optimizers import HostOptimizer
 from piper_plugin.runtime.rank_state import RankState, _Named
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
 from piper_plugin.runtime.update_gate import FiniteLossGate, update_before_loss
@@ -95,31 +96,6 @@ class ExecutorConfig:
     def runner(self) -> RunnerConfig:
         """The stream runner's knobs: the posting policy stays the one the simulator modelled."""
         return RunnerConfig(timeout_s=self.timeout_s)
-
-
-class HostOptimizer:
-    """The optimizer UPDATE tasks call when the host steps its own: nothing. The host clips and
-    steps the parameters itself, reading the gradients left in ``param.grad`` (or in the faces'
-    ``.grad`` for ZeRO shards)."""
-
-    host_steps = True
-
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = list(params)
-        self.param_groups: list[dict[str, Any]] = []
-        self.state: dict[Any, Any] = {}
-
-    def step(self) -> None:
-        pass
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # the host checkpoints its own optimizer
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
 
 
 def _expert_ids(plan: Plan, model: nn.Module) -> set[int]:

@@ -8,13 +8,16 @@ by this rank's shard of it (its rows along dim 0), before any state exists. This
 optimizers that update each element from that element's own gradient and state (SGD, Adam,
 AdamW, ...); others (Muon, Shampoo, Adafactor, LBFGS: they read a parameter's whole matrix)
 are refused with the fix, unless the optimizer class sets ``elementwise = True``.
+:class:`HostOptimizer` stands in where the host steps its own optimizer.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ParamList", "rebind", "ELEMENTWISE", "is_elementwise"]
+__all__ = ["HostOptimizer", "ParamList", "rebind", "ELEMENTWISE", "is_elementwise"]
 
 #: torch optimizers whose update of an element reads only that element's gradient and state.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
@@ -60,3 +63,28 @@ def rebind(optimizer: torch.optim.Optimizer, shards: dict[int, nn.Parameter], re
                          f"through Executor.load_state_dict")
     for group in optimizer.param_groups:
         group["params"] = [shards.get(id(p), p) for p in group["params"]]
+
+
+class HostOptimizer:
+    """The optimizer UPDATE tasks call when the host steps its own: nothing. The host clips and
+    steps the parameters itself, reading the gradients left in ``param.grad`` (or in the faces'
+    ``.grad`` for ZeRO shards)."""
+
+    host_steps = True
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = list(params)
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, Any] = {}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the host checkpoints its own optimizer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

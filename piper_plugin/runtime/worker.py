@@ -168,7 +168,8 @@ def _status_bytes(*fields: str) -> tuple[int | None, ...]:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith(fields):
-                    found[line.split()[0]] = int(line.split()[1]) * 1024
+                    key, kib = line.split()[:2]
+                    found[key] = int(kib) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return tuple(found.get(field) for field in fields)
