@@ -4,13 +4,16 @@ Compute: a few short jobs of the toy model on forked ranks (1F1B and ZB-H1 pipel
 small and large microbatches, and data parallelism over whole-model regions) record each
 task's span in their last step. Per task kind (F, B, BI, BW, UPDATE) a non-negative
 least-squares fit gives seconds per task, per op of the region (Python and dispatch overhead:
-what dominates small models on a CPU), per forward FLOP of the microbatch and per parameter
-byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
+what dominates small models on a CPU), per forward matmul FLOP and per activation byte of the
+microbatch, and per parameter byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
 ping-pongs of several sizes (gloo) for the seconds per byte; the time per message the
 simulator charges is then the one (searched over 1 us-10 ms) whose simulations of the
 calibration jobs come closest to their measured step times (log error): it carries what the
-runtime adds to each message (its threads, copies, waits), which a raw ping-pong does not. The
-profile (JSON, with each job's measured and predicted step) is what :func:`cost_model` reads.
+runtime adds to each message (its threads, copies, waits), which a raw ping-pong does not; with
+it, the share of a message's time that also holds the rank's compute (gloo copies and reduces
+on the cores that compute; searched over 0-100%), which decides whether overlapping a
+collective with compute pays. The profile (JSON, with each job's measured and predicted step)
+is what :func:`cost_model` reads.
 
 Invariant: a profile is measured on the model and sizes it names and used for that model; a
 profile for another model still loads, with its figures as measured (the tuner says which).
@@ -24,24 +27,35 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency",
-           "fit_latencies"]
+__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency", "task_samples",
+           "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
-# (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level)
-CALIBRATION_JOBS: tuple[tuple[str, str, int, int], ...] = (
-    ("1f1b", "all", 2, 0), ("1f1b", "all", 8, 0), ("zb-h1", "all", 4, 0), ("1f1b", "one", 4, 0),
-    ("1f1b", "one", 1, 0), ("1f1b", "one", 2, 3))
+# (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level, chunks per
+# rank): every task kind at small and large microbatches (the whole batch down to a sample or
+# two), so neither its per-task nor its per-FLOP term is a guess outside the sizes measured; and
+# data parallelism with a gradient reduction that can overlap the backward (two chunks per rank)
+CALIBRATION_JOBS: tuple[tuple[str, str, int, int, int], ...] = (
+    ("1f1b", "all", 1, 0, 1), ("1f1b", "all", 4, 0, 1), ("1f1b", "all", 16, 0, 1), ("zb-h1", "all", 2, 0, 1),
+    ("zb-h1", "all", 8, 0, 1), ("1f1b", "one", 4, 0, 1), ("1f1b", "one", 1, 0, 1),
+    ("interleaved-1f1b", "one", 1, 0, 2), ("1f1b", "one", 2, 3, 1))
 LATENCIES = tuple(10 ** (-6 + k / 10) for k in range(41))  # 1 us .. 10 ms, the per-message time searched
+WARMUP_STEPS = 2  # a job's first steps, left out of its median step
+CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # of a message's time, also on the compute's CPU: searched
 MESSAGE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
 
 
-def _nnls(rows: list[list[float]], times: list[float]) -> list[float]:
-    """Non-negative least squares, columns scaled to unit norm first (features span 10 orders)."""
+def _nnls(rows: list[list[float]], times: list[float], relative: bool = False) -> list[float]:
+    """Non-negative least squares, columns scaled to unit norm first (features span 10 orders);
+    ``relative``: each row weighted by 1 / its time (relative errors, so small tasks count as
+    much as large ones)."""
     import numpy as np
     from scipy.optimize import nnls
 
     a, b = np.asarray(rows, dtype=float), np.asarray(times, dtype=float)
+    if relative:
+        weight = 1.0 / np.maximum(b, 1e-9)
+        a, b = a * weight[:, None], b * weight
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
     coef, _ = nnls(a / scale, b)
@@ -55,13 +69,31 @@ def fit_compute(samples: list[tuple[str, tuple[float, ...], float]]) -> dict[str
     for kind in KINDS:
         mine = [(f, t) for k, f, t in samples if k == kind]
         if mine:
-            fitted[kind] = _nnls([list(f) for f, _ in mine], [t for _, t in mine])
+            fitted[kind] = _nnls([list(f) for f, _ in mine], [t for _, t in mine], relative=True)
     if "B" in fitted:
         for half in ("BI", "BW"):
             fitted.setdefault(half, [c / 2 for c in fitted["B"]])
     if "BI" in fitted and "BW" in fitted:
         fitted.setdefault("B", [i + w for i, w in zip(fitted["BI"], fitted["BW"])])
     return fitted
+
+
+def task_samples(plan, rank: int, timeline: list) -> list[tuple[str, tuple[float, ...], float]]:
+    """``(kind, features, seconds)`` of rank ``rank``'s measured compute tasks. A BI the plan runs
+    as the whole backward (fused with its BW) is a sample of B; its BW, which does nothing, none."""
+    from piper_plugin.ir.nodes import Kind, format_key
+    from piper_plugin.scheduler.cost import task_features
+
+    fused = plan.ranks[rank].fused
+    emptied = {format_key(plan.node(k).region, Kind.BW, plan.node(k).microbatch, plan.node(k).qual) for k in fused}
+    out = []
+    for _, key, start, end in timeline:
+        node = plan.node(key)
+        if not node.is_compute or key in emptied:
+            continue
+        kind = "B" if key in fused else node.kind.value
+        out.append((kind, task_features(plan.dag, node), end - start))
+    return out
 
 
 def fit_messages(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -98,27 +130,33 @@ def _message_body(repeats: int) -> Callable:
     return body
 
 
-def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32, steps: int = 4,
+def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32, steps: int = 8,
               say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the calibration jobs and the message timings on ``ranks`` forked ranks; the profile."""
+    """Run the calibration jobs (``steps`` each; the first :data:`WARMUP_STEPS`, slower while
+    allocations and caches settle, left out of the median) and the message
+    timings on ``ranks`` forked ranks; the profile."""
     from piper_plugin.compiler import compile_job
     from piper_plugin.recipes import load
     from piper_plugin.runtime.launch.processes import run_forked
-    from piper_plugin.scheduler.cost import task_features
+    from piper_plugin.scheduler.cost import TASK_FEATURES
     from piper_plugin.training import toy_job
 
+    if steps <= WARMUP_STEPS:
+        raise ValueError(f"steps={steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
     samples: list[tuple[str, tuple[float, ...], float]] = []
     steps_measured: list[tuple[str, Any, float]] = []  # (job, plan, median step of the slowest rank)
     message_job = None
-    for recipe, grid, m, zero in CALIBRATION_JOBS:
+    for recipe, grid, m, zero, chunks in CALIBRATION_JOBS:
         pp = ranks if grid == "all" else 1
         dp = ranks // pp
         if batch % (dp * m) or zero and dp == 1:
             continue
-        stages = load(recipe).stages(pp, 1)
+        stages = load(recipe).stages(pp, chunks)
+        if stages > layers:
+            continue
 
-        def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m, zero=zero):
-            return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=zero, chunks=1)
+        def schedule(program, recipe=recipe, pp=pp, dp=dp, m=m, zero=zero, chunks=chunks):
+            return load(recipe).schedule(program, pp=pp, dp=dp, ep=1, microbatches=m, zero=zero, chunks=chunks)
 
         job = toy_job(schedule, model=model, stages=stages, layers=layers, batch=batch, seq=seq, steps=steps)
         program, _, plan, _ = compile_job(job)
@@ -128,13 +166,10 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
         slowest: dict[int, float] = {}
         for m_ in metrics:
             slowest[m_["step"]] = max(slowest.get(m_["step"], 0.0), m_["step_time_s"])
-        name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}"
-        steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= 1)))
-        for result in per_rank.values():
-            for _, key, start, end in result["timeline"]:
-                node = plan.node(key)
-                if node.is_compute:
-                    samples.append((node.kind.value, task_features(plan.dag, node), end - start))
+        name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}" + (f" v={chunks}" if chunks > 1 else "")
+        steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= WARMUP_STEPS)))
+        for r, result in per_rank.items():
+            samples += task_samples(plan, r, result["timeline"])
         say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
         message_job = message_job or (job, program, plan)
@@ -145,43 +180,65 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
     wire_latency, per_byte = fit_messages(measured["p2p"])
     compute = fit_compute(samples)
-    latency, collective = fit_latencies(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
-    predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured])
+    latency, collective, share = fit_cpu_share(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
+    predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured], share)
     say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
         f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
-        f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective")
+        f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective, {share:.0%} of it on the "
+        f"compute's CPU")
     jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
             for (name, _, step), p in zip(steps_measured, predicted)]
     for j in jobs:
         say(f"calibrate  {j['job']}: predicted {j['predicted_step_s'] * 1e3:.1f} ms, "
             f"measured {j['measured_step_s'] * 1e3:.1f} ms")
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
-            "features": ["per task", "per op", "per forward FLOP of the microbatch", "per parameter byte"],
+            "features": list(TASK_FEATURES),
             "compute": compute, "latency_s": latency, "collective_latency_s": collective, "seconds_per_byte": per_byte,
+            "comm_cpu_share": share,
             "ping_pong_latency_s": wire_latency, "messages": measured, "tasks_measured": len(samples),
             "jobs": jobs}
 
 
-def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float):
+def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float, cpu_share: float = 0.0):
     """``latencies``: (point to point, collective) seconds per message."""
     from piper_plugin.ir.nodes import COLLECTIVES
     from piper_plugin.scheduler.cost import CostModel
 
     p2p, collective = latencies
     return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=p2p,
-                     latency_by_kind={kind.value: collective for kind in COLLECTIVES}, seconds_per_byte=per_byte)
+                     latency_by_kind={kind.value: collective for kind in COLLECTIVES}, seconds_per_byte=per_byte,
+                     comm_cpu_share=cpu_share)
 
 
 def _predict(compute: dict[str, list[float]], latencies: tuple[float, float], per_byte: float,
-             plans: list) -> list[float]:
+             plans: list, cpu_share: float = 0.0) -> list[float]:
     from piper_plugin.scheduler.simulate import simulate
 
-    cost = _model(compute, latencies, per_byte)
+    cost = _model(compute, latencies, per_byte, cpu_share)
     return [simulate(plan, cost).step_time for plan in plans]
 
 
+def _log_error(predicted: list[float], measured: list[float]) -> float:
+    return sum(math.log(p / s) ** 2 for p, s in zip(predicted, measured))
+
+
+def fit_cpu_share(compute: dict[str, list[float]], per_byte: float,
+                  measured: list[tuple[Any, float]]) -> tuple[float, float, float]:
+    """(point to point, collective, CPU share): for each share of :data:`CPU_SHARES` the
+    per-message times :func:`fit_latencies` gives, and the share whose simulated steps of the
+    ``(plan, measured step)`` pairs have the least squared log error."""
+    plans, steps = [p for p, _ in measured], [s for _, s in measured]
+    best = None
+    for share in CPU_SHARES:
+        pair = fit_latencies(compute, per_byte, measured, cpu_share=share)
+        error = _log_error(_predict(compute, pair, per_byte, plans, share), steps)
+        if best is None or error < best[0]:
+            best = (error, (*pair, share))
+    return best[1]
+
+
 def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]],
-                which: int = 0, other: float | None = None) -> float:
+                which: int = 0, other: float | None = None, cpu_share: float = 0.0) -> float:
     """The per-message time (of :data:`LATENCIES`) whose simulated steps of the ``(plan,
     measured step)`` pairs have the least squared log error: ``which`` 0 fits the point-to-point
     time (collectives at ``other``, or the same), 1 the collectives' (point to point at ``other``)."""
@@ -189,14 +246,13 @@ def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list
 
     def error(latency: float) -> float:
         pair = (latency, latency if other is None else other)
-        predicted = _predict(compute, pair if which == 0 else pair[::-1], per_byte, plans)
-        return sum(math.log(p / s) ** 2 for p, s in zip(predicted, steps))
+        return _log_error(_predict(compute, pair if which == 0 else pair[::-1], per_byte, plans, cpu_share), steps)
 
     return min(LATENCIES, key=error)
 
 
 def fit_latencies(compute: dict[str, list[float]], per_byte: float,
-                  measured: list[tuple[Any, float]]) -> tuple[float, float]:
+                  measured: list[tuple[Any, float]], cpu_share: float = 0.0) -> tuple[float, float]:
     """(point to point, collective) per-message times: the first from the jobs without
     collectives, the second from the others with it fixed (one time for both when either set
     of jobs is empty)."""
@@ -208,21 +264,26 @@ def fit_latencies(compute: dict[str, list[float]], per_byte: float,
     p2p_only = [(p, s) for p, s in measured if not has_collectives(p)]
     rest = [(p, s) for p, s in measured if has_collectives(p)]
     if not p2p_only or not rest:
-        both = fit_latency(compute, per_byte, measured)
+        both = fit_latency(compute, per_byte, measured, cpu_share=cpu_share)
         return both, both
-    p2p = fit_latency(compute, per_byte, p2p_only)
-    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p)
+    p2p = fit_latency(compute, per_byte, p2p_only, cpu_share=cpu_share)
+    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share)
 
 
 def cost_model(profile: dict[str, Any] | str | Path):
     """The :class:`~piper_plugin.scheduler.cost.CostModel` of a profile (or its JSON file)."""
+    from piper_plugin.scheduler.cost import TASK_FEATURES
+
     where = "" if isinstance(profile, dict) else str(profile)
     try:
         if where:
             profile = json.loads(Path(where).read_text())
+        if list(profile.get("features", TASK_FEATURES)) != list(TASK_FEATURES):
+            raise ValueError(f"its compute is fitted on {profile['features']}, this version fits "
+                             f"{list(TASK_FEATURES)}")
         latency = float(profile["latency_s"])
         return _model(profile["compute"], (latency, float(profile.get("collective_latency_s", latency))),
-                      float(profile["seconds_per_byte"]))
+                      float(profile["seconds_per_byte"]), float(profile.get("comm_cpu_share", 0.0)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if not where:
             raise

@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_args(plan)
     plan.add_argument("--cost", choices=("uniform", "cpu"), default="uniform",
                       help="uniform: F=1 B=2 W=1, free comm; cpu: FLOP-based CPU/gloo estimate")
+    plan.add_argument("--profile", type=Path, metavar="FILE.json",
+                      help="replaces --cost: a cost profile `piper calibrate` measured; the plan is of the model "
+                           "and sizes it was measured on (--batch may change the batch), its step in seconds: "
+                           "what `piper train` of that plan should take here")
     plan.add_argument("--trace", type=Path, metavar="FILE", help="write a Chrome/Perfetto trace (JSON)")
     plan.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the compiled plan as JSON")
@@ -137,18 +141,38 @@ def _run_plan(args: argparse.Namespace) -> int:
     from piper_plugin.ir.capture import capture
     from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
     from piper_plugin.scheduler import export
+    from piper_plugin.calibrate import cost_model
+    from piper_plugin.cli_tune import profile_sizes
+    from piper_plugin.data.text import vocab_size
     from piper_plugin.scheduler.cost import CostModel
 
     setup = resolve_strategy(args)
-    batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
-    layers = max(setup.stages, 2)
+    sizes = profile_sizes(args.profile) if args.profile is not None else {}
+    if args.profile is not None:  # the model `piper train` builds, at the profile's sizes
+        if sizes.get("model", args.model) != args.model:
+            raise UsageError(f"--model {args.model}: the profile {args.profile} was measured on {sizes['model']}; "
+                             f"pass --model {sizes['model']}, or calibrate {args.model} (piper calibrate --model "
+                             f"{args.model})")
+        layers = sizes.get("layers", max(setup.stages, 2))
+        if setup.stages > layers:
+            raise UsageError(f"{setup.stages} stages but the profile's model has {layers} layers: calibrate with "
+                             f"--layers {setup.stages} or more, or use fewer stages")
+        extra = {"vocab": vocab_size(), "seq": sizes.get("seq", 32)}
+        batch = args.batch or sizes.get("batch") or setup.microbatches * setup.dp * setup.ep * 2
+    else:
+        layers, extra = max(setup.stages, 2), {}
+        batch = args.batch or setup.microbatches * setup.dp * setup.ep * 2
     try:
         with torch.device("meta"):
-            model, cfg = TOY_MODELS[args.model](stages=setup.stages, layers=layers)
+            model, cfg = TOY_MODELS[args.model](stages=setup.stages, layers=layers, **extra)
     except ValueError as exc:
         raise UsageError(f"model {args.model}: {exc}") from None
     tokens, targets = lm_batch(cfg, batch)
-    cost = CostModel.uniform() if args.cost == "uniform" else CostModel.cpu_default()
+    if args.profile is not None:
+        cost = cost_model(args.profile)
+    else:
+        cost = CostModel.uniform() if args.cost == "uniform" else CostModel.cpu_default()
+    uniform = args.cost == "uniform" and args.profile is None
     _, sch, plan, result = compile_program(capture(model, lm_loss, (tokens,), targets), setup.apply, cost=cost)
 
     params = sum(p.numel() for p in model.parameters())
@@ -158,21 +182,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(f"grid    pp={g.pp} dp={g.dp} ep={g.ep} ({g.world_size} ranks), schedule {setup.name}, "
           f"{plan.microbatches} microbatches, batch {batch}, zero {setup.zero}")
     print(f"plan    {sum(len(rp.tasks()) for rp in plan.ranks)} tasks, hash {plan.hash()}\n")
-    print(export.plan_grid_text(plan, result if args.cost == "uniform" else None))
+    print(export.plan_grid_text(plan, result if uniform else None))
     print()
-    unit = "units (F=1, B=2, W=1)" if args.cost == "uniform" else "s (cpu estimate)"
+    unit = ("units (F=1, B=2, W=1)" if uniform else f"s (profile {args.profile})" if args.profile is not None
+            else "s (cpu estimate)")
     print(f"step time  {result.step_time:.6g} {unit}")
     textbook = _textbook(setup, plan, cost)
     print(f"bubble     {result.bubble_fraction:.1%}" + (f"   textbook {textbook}" if textbook else ""))
     print("\npeak memory per rank")
     print(_memory_table(result))
 
-    time_label, time_scale = ("time (F = 1)", 1.0) if args.cost == "uniform" else ("time (ms)", 1e3)
+    time_label, time_scale = ("time (F = 1)", 1.0) if uniform else ("time (ms)", 1e3)
     title = (f"{setup.name}: pp={g.pp} dp={g.dp} ep={g.ep}, m={plan.microbatches}, "
              f"bubble {result.bubble_fraction:.1%}, step {result.step_time * time_scale:.4g}"
-             + ("" if args.cost == "uniform" else " ms"))
+             + ("" if uniform else " ms"))
     if args.trace:
-        us = 1e3 if args.cost == "uniform" else 1e6  # a uniform unit shows as 1 ms
+        us = 1e3 if uniform else 1e6  # a uniform unit shows as 1 ms
         args.trace.write_text(json.dumps(export.chrome_trace(plan, result, us_per_unit=us)))
         print(f"\nwrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.png:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from piper_plugin.cli_args import UsageError, positive_int
 
-__all__ = ["add_tune_parser", "run_tune", "add_calibrate_parser", "run_calibrate", "parse_bytes"]
+__all__ = ["add_tune_parser", "run_tune", "add_calibrate_parser", "run_calibrate", "parse_bytes", "profile_sizes"]
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -45,8 +45,10 @@ def add_tune_parser(commands) -> argparse.ArgumentParser:
     tune.add_argument("--memory-cap", type=parse_bytes, metavar="BYTES",
                       help="simulated peak per rank at most this (e.g. 64MiB); default: no cap")
     tune.add_argument("--layers", type=positive_int, metavar="L",
-                      help="model layers, the same for every candidate (default: 8); a plan needs at most L stages")
-    tune.add_argument("--batch", type=positive_int, metavar="N", help="global batch (default: 16)")
+                      help="model layers, the same for every candidate (default: the profile's, else 8); a plan "
+                           "needs at most L stages")
+    tune.add_argument("--batch", type=positive_int, metavar="N", help="global batch (default: the profile's, else 16)")
+    tune.add_argument("--seq", type=positive_int, metavar="T", help="sequence length (default: the profile's, else 32)")
     tune.add_argument("--profile", type=Path, metavar="FILE.json",
                       help="a cost profile `piper calibrate` measured (replaces --cost)")
     tune.add_argument("--cost", choices=("cpu", "uniform"), default="cpu",
@@ -70,9 +72,32 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
     cal.add_argument("--ranks", type=positive_int, default=2, metavar="N", help="ranks (default: 2)")
     cal.add_argument("--layers", type=positive_int, default=8, metavar="L", help="model layers (default: 8)")
     cal.add_argument("--batch", type=positive_int, default=16, metavar="N", help="global batch (default: 16)")
+    cal.add_argument("--seq", type=positive_int, default=32, metavar="T", help="sequence length (default: 32)")
+    cal.add_argument("--steps", type=positive_int, default=8, metavar="N",
+                     help="steps per calibration job, the first 2 left out of its median (default: 8)")
     cal.add_argument("--out", type=Path, required=True, metavar="FILE.json", help="where the profile goes")
     cal.set_defaults(run=run_calibrate)
     return cal
+
+
+def profile_sizes(path: Path) -> dict:
+    """The model and sizes a cost profile was measured on (``model``, ``layers``, ``batch``,
+    ``seq``; what it lacks is absent)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--profile {path}: cannot read it ({exc}); write one with `piper calibrate --out FILE`") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--profile {path}: not a profile `piper calibrate` wrote; write one with "
+                         f"`piper calibrate --out FILE`")
+    return {k: data[k] for k in ("model", "layers", "batch", "seq") if k in data}
+
+
+def _check_seq(seq: int) -> None:
+    from piper_plugin.data.text import token_stream
+
+    if seq >= len(token_stream()):
+        raise UsageError(f"--seq {seq} is longer than the shipped corpus ({len(token_stream())} tokens)")
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -80,12 +105,16 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.ranks < 2:
         raise UsageError("--ranks 1: calibrating messages needs 2 ranks or more")
-    profile = calibrate(model=args.model, ranks=args.ranks, layers=args.layers, batch=args.batch)
+    if args.steps < 3:
+        raise UsageError(f"--steps {args.steps}: a calibration job needs 3 steps or more (its first 2 are left out)")
+    _check_seq(args.seq)
+    profile = calibrate(model=args.model, ranks=args.ranks, layers=args.layers, batch=args.batch, seq=args.seq,
+                        steps=args.steps)
     args.out.write_text(json.dumps(profile, indent=1))
     kinds = ", ".join(f"{k} {c[0] * 1e3:.2f} ms + {c[1] * 1e6:.1f} us/op" for k, c in profile["compute"].items())
     print(f"profile    {kinds}")
-    print(f"wrote {args.out}: piper tune --ranks {args.ranks} --profile {args.out} --layers {args.layers} "
-          f"--batch {args.batch}" + (f" --model {args.model}" if args.model != "toy-lm" else ""))
+    print(f"wrote {args.out}: piper tune --ranks {args.ranks} --profile {args.out} (its model: {args.model}, "
+          f"{args.layers} layers, batch {args.batch}, seq {args.seq})")
     return 0
 
 
@@ -100,23 +129,30 @@ def run_tune(args: argparse.Namespace) -> int:
     from piper_plugin.train_report import human_bytes
     from piper_plugin.tune import search
 
-    layers, batch = args.layers or 8, args.batch or 16
+    sizes = profile_sizes(args.profile) if args.profile is not None else {}
+    layers, batch = args.layers or sizes.get("layers", 8), args.batch or sizes.get("batch", 16)
+    seq = args.seq or sizes.get("seq", 32)
+    _check_seq(seq)
     experts = args.model == "toy-moe"
 
     def build_program(stages: int):
         with torch.device("meta"):
-            model, cfg = TOY_MODELS[args.model](stages=stages, layers=layers, vocab=vocab_size(), seq=32)
+            model, cfg = TOY_MODELS[args.model](stages=stages, layers=layers, vocab=vocab_size(), seq=seq)
         tokens, targets = lm_batch(cfg, batch)
         return capture(model, lm_loss, (tokens,), targets)
 
     if args.profile is not None:
         cost, cost_name = cost_model(args.profile), f"profile {args.profile}"
+        measured_on = (sizes.get("model"), sizes.get("layers"), sizes.get("batch"), sizes.get("seq"))
+        if measured_on != (args.model, layers, batch, seq):
+            print(f"tune    note: the profile was measured on {measured_on[0]}, {measured_on[1]} layers, batch "
+                  f"{measured_on[2]}, seq {measured_on[3]}; its figures are used as measured")
     else:
         cost, cost_name = (CostModel.cpu_default() if args.cost == "cpu" else CostModel.uniform()), args.cost
     result = search(build_program, args.ranks, batch, experts=experts, cost=cost, memory_cap=args.memory_cap,
                     max_stages=layers)
     scored = len(result.fitting) + len(result.over_cap)
-    print(f"tune    {args.model}, {layers} layers, batch {batch}, {args.ranks} ranks, cost {cost_name}: "
+    print(f"tune    {args.model}, {layers} layers, batch {batch}, seq {seq}, {args.ranks} ranks, cost {cost_name}: "
           f"{scored} distinct plans simulated ({result.duplicates} candidates gave a plan already seen, "
           f"{result.no_overlay} stream overlays found nothing to move), {sum(result.refused.values())} did not apply")
     for reason, count in sorted(result.refused.items(), key=lambda kv: -kv[1]):
@@ -142,6 +178,6 @@ def run_tune(args: argparse.Namespace) -> int:
     best = result.fitting[0]
     if args.out:
         args.out.write_text(best.schedule.dumps())
-        print(f"\nwrote {args.out}: piper train --recipe-file {args.out} --layers {layers} --batch {batch}"
+        print(f"\nwrote {args.out}: piper train --recipe-file {args.out} --layers {layers} --batch {batch} --seq {seq}"
               + (f" --model {args.model}" if args.model != "toy-lm" else ""))
     return 0

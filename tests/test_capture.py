@@ -115,3 +115,37 @@ def test_annotate_rejects_bad_tag_values():
     with pytest.raises(TypeError, match="must be an int or a str"):
         with piper.annotate(PP=1.5):
             pass
+
+
+class _Products(nn.Module):
+    """An embedding (no FLOPs), a linear layer, a matmul, attention and a convolution, each in
+    a region of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.proj = nn.Linear(8, 12)
+        self.other = nn.Parameter(torch.randn(12, 6))
+        self.conv = nn.Conv1d(6, 4, kernel_size=3)
+
+    def forward(self, tokens):
+        with piper.annotate(PP=0):
+            h = self.embed(tokens)  # [B, T, 8]
+        with piper.annotate(PP=1):
+            h = self.proj(h)  # [B, T, 12]
+        with piper.annotate(PP=2):
+            h = h @ self.other  # [B, T, 6]
+            q = h.unsqueeze(1)  # [B, 1, T, 6]
+            h = nn.functional.scaled_dot_product_attention(q, q, q).squeeze(1)
+        with piper.annotate(PP=3):
+            return self.conv(h.transpose(1, 2)).mean(dim=(1, 2))
+
+
+def test_matrix_product_flops_are_counted_from_the_traced_shapes():
+    batch, seq = 3, 10
+    tokens = torch.randint(0, 50, (batch, seq))
+    program = piper.capture(_Products(), mse_loss, (tokens,), torch.zeros(batch))
+    flops = {name: r.matmul_flops for name, r in program.regions.items()}
+    attention = 2 * batch * seq * seq * 6 * 2  # scores and weighted values, 2 FLOPs per multiply-add
+    assert flops == {"0": 0, "1": 2 * batch * seq * 8 * 12, "2": 2 * batch * seq * 12 * 6 + attention,
+                     "3": 2 * batch * (seq - 2) * 4 * 6 * 3}

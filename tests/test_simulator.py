@@ -210,3 +210,45 @@ def test_an_input_gradient_pass_keeps_what_it_recorded_until_its_weight_pass():
         most.append(high)
     assert max(most) >= 2  # the weight passes really are deferred past later input passes
     assert result.peak_transient_bytes == [kept * h for h in most]
+
+
+def test_communication_that_costs_cpu_holds_the_compute():
+    """``comm_cpu_share`` 1: a collective's time is also its rank's compute time, so a gradient
+    reduction overlapping the backward no longer hides; 0 keeps it hidden (a NIC's case)."""
+    plan, _ = _simulate("interleaved-1f1b", 1, 1, dp=2)
+    base = dict(F=1.0, B=2.0, BI=1.0, BW=1.0)
+    hidden = simulate(plan, CostModel(**base, latency=0.5))
+    held = simulate(plan, CostModel(**base, latency=0.5, comm_cpu_share=1.0))
+    reductions = sum(e - s for r, _, k, s, e in held.timeline if r == 0 and plan.dag.nodes[k].kind == Kind.ALL_REDUCE)
+    assert reductions > 0 and held.busy == hidden.busy  # compute time is compute only
+    assert held.step_time > hidden.step_time
+    assert held.step_time <= hidden.step_time + reductions + 1e-9
+
+
+def test_a_calibrated_profile_charges_a_fused_backward_as_one_whole_backward():
+    """Where the plan runs a BI as the whole backward (its BW right after it), a profile that
+    measured whole backwards charges that BI a B and its BW nothing; other cost models keep
+    BI + BW."""
+    plan, _ = _simulate("dualpipev", 2, 4)
+    fused = {k for rp in plan.ranks for k in rp.fused}
+    assert fused
+    features = 5
+    linear = {"F": (1e-3,) + (0.0,) * (features - 1), "B": (1.5e-3,) + (0.0,) * (features - 1),
+              "BI": (1e-3,) + (0.0,) * (features - 1), "BW": (1e-3,) + (0.0,) * (features - 1),
+              "UPDATE": (0.0,) * features}
+    result = simulate(plan, CostModel(linear=linear))
+    spans = {k: e - s for _, _, k, s, e in result.timeline}
+    for key in fused:
+        node = plan.dag.nodes[key]
+        bw = next(k for k in spans if plan.dag.nodes[k].kind == Kind.BW and plan.dag.nodes[k].region == node.region
+                  and plan.dag.nodes[k].microbatch == node.microbatch)
+        assert spans[key] == pytest.approx(1.5e-3) and spans[bw] == 0.0
+    split = [k for k, d in spans.items() if plan.dag.nodes[k].kind == Kind.BI and k not in fused]
+    assert split and all(spans[k] == pytest.approx(1e-3) for k in split)
+    uniform = simulate(plan, CostModel.uniform(F=1.0, B=2.0, W=1.0))  # BI 1 + BW 1, fused or not
+    halves = {k: e - s for _, _, k, s, e in uniform.timeline}
+    for key in fused:
+        node = plan.dag.nodes[key]
+        bw = next(k for k in halves if plan.dag.nodes[k].kind == Kind.BW and plan.dag.nodes[k].region == node.region
+                  and plan.dag.nodes[k].microbatch == node.microbatch)
+        assert (halves[key], halves[bw]) == (pytest.approx(1.0), pytest.approx(1.0))

@@ -5,7 +5,9 @@ known coefficients."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
+from collections import Counter
 
 import pytest
 import torch
@@ -80,13 +82,14 @@ def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
 
 
 def test_fits_recover_known_coefficients():
-    truth = {"F": [1e-3, 5e-6, 2e-9, 0.0], "B": [2e-3, 1e-5, 4e-9, 0.0], "UPDATE": [1e-4, 0.0, 0.0, 3e-9]}
+    truth = {"F": [1e-3, 5e-6, 2e-9, 1e-10, 0.0], "B": [2e-3, 1e-5, 4e-9, 0.0, 0.0],
+             "UPDATE": [1e-4, 0.0, 0.0, 0.0, 3e-9]}
     samples = []
     for kind, coef in truth.items():
         for ops in (10, 40, 160):
             for flops in (1e5, 1e6, 1e7):
-                for param_bytes in (1e5, 3e6):
-                    features = (1.0, float(ops), flops, param_bytes)
+                for activations, param_bytes in ((2e4, 1e5), (5e5, 3e6), (1e6, 1e5)):
+                    features = (1.0, float(ops), flops, activations, param_bytes)
                     samples.append((kind, features, sum(c * x for c, x in zip(coef, features))))
     fitted = fit_compute(samples)
     for kind, coef in truth.items():
@@ -116,25 +119,96 @@ def test_nothing_under_the_cap_is_one_line_naming_the_smallest_plan(capsys):
 
 @pytest.mark.slow
 def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
-    """The whole loop on 2 forked ranks: a measured profile, a search with it, and the best
-    plan's file replayed by ``piper train`` (its grid and microbatches come from the file)."""
+    """The whole loop on 2 forked ranks: a measured profile, a search with it (the profile's
+    sizes), the best plan's file replayed by ``piper train`` (its grid and microbatches come from
+    the file), and the profile's predictions of two recipes against their measured steps."""
     profile, best = tmp_path / "profile.json", tmp_path / "best.json"
-    sizes = ["--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH)]
-    cal = _piper(capsys, "calibrate", *sizes, "--out", str(profile))
+    cal = _piper(capsys, "calibrate", "--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH), "--seq", "64",
+                 "--out", str(profile))
     assert cal.returncode == 0, cal.stderr[-3000:]
     data = json.loads(profile.read_text())
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
     assert data["latency_s"] > 0 < data["collective_latency_s"] and all(c >= 0 for cs in data["compute"].values() for c in cs)
-    assert len(data["jobs"]) >= 4
-    for job in data["jobs"]:  # noise moves each by up to ~30% here; a lost term or unit would not fit
-        assert 0.5 < job["predicted_step_s"] / job["measured_step_s"] < 2.0, job
-    tune = _piper(capsys, "tune", *sizes, "--profile", str(profile), "--out", str(best))
+    assert len(data["jobs"]) >= 8 and 0 <= data["comm_cpu_share"] <= 1
+    for job in data["jobs"]:  # ~10% here; a lost term or unit would not fit
+        assert 0.7 < job["predicted_step_s"] / job["measured_step_s"] < 1.4, job
+    tune = _piper(capsys, "tune", "--ranks", "2", "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
+    assert f"{LAYERS} layers, batch {BATCH}, seq 64, 2 ranks" in tune.stdout
     first = next(l for l in tune.stdout.splitlines() if l.split()[:1] == ["1"])
-    train = _piper(capsys, "train", "--recipe-file", str(best), "--layers", str(LAYERS), "--batch", str(BATCH),
-                   "--steps", "2", "--launcher", "fork")
+    model = ["--layers", str(LAYERS), "--batch", str(BATCH), "--seq", "64", "--launcher", "fork"]
+    train = _piper(capsys, "train", "--recipe-file", str(best), *model, "--steps", "2")
     assert train.returncode == 0, train.stderr[-3000:]
     trace = json.loads(best.read_text())
     grid = trace["grid"]
     assert f"pp={grid['pp']} dp={grid.get('dp', 1)}" in first
     assert "step 2/2" in train.stdout
+    for recipe in ("1f1b", "dualpipev"):  # benchmarks/tune_ab.py measures every recipe, in rounds
+        strategy = ["--recipe", recipe, "--pp", "2", "--microbatches", "4"]
+        plan = _piper(capsys, "plan", *strategy, "--profile", str(profile))
+        predicted = float(next(l for l in plan.stdout.splitlines() if l.startswith("step time")).split()[2])
+        metrics = tmp_path / f"{recipe}.jsonl"
+        run = _piper(capsys, "train", *strategy, *model, "--steps", "8", "--metrics", str(metrics))
+        assert run.returncode == 0, run.stderr[-3000:]
+        per_step: dict[int, float] = {}
+        for line in metrics.read_text().splitlines():
+            m = json.loads(line)
+            per_step[m["step"]] = max(per_step.get(m["step"], 0.0), m["step_time_s"])
+        measured = statistics.median(t for s, t in per_step.items() if s >= 2)
+        assert 0.7 < predicted / measured < 1.4, (recipe, predicted, measured)
+
+
+def _profile(tmp_path, **sizes):
+    """A profile as `piper calibrate` writes one, with made-up figures."""
+    from piper_plugin.scheduler.cost import TASK_FEATURES
+
+    coef = {"F": [1e-4, 2e-6, 1e-9, 1e-10, 0.0], "B": [2e-4, 4e-6, 2e-9, 2e-10, 0.0],
+            "BI": [1e-4, 2e-6, 1e-9, 1e-10, 0.0], "BW": [1e-4, 2e-6, 1e-9, 1e-10, 0.0],
+            "UPDATE": [1e-4, 0.0, 0.0, 0.0, 1e-9]}
+    data = {"model": "toy-lm", "layers": 4, "batch": 16, "seq": 64, "ranks": 2, "features": list(TASK_FEATURES),
+            "compute": coef, "latency_s": 2e-4, "collective_latency_s": 1e-3, "seconds_per_byte": 1e-9,
+            "comm_cpu_share": 0.5, **sizes}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    return path, data
+
+
+def test_plan_with_a_profile_predicts_the_model_it_was_measured_on(tmp_path, capsys):
+    """`piper plan --profile`: the plan of the profile's model and sizes (what `piper train`
+    builds from the shipped text), simulated with the profile, in seconds."""
+    from piper_plugin.data.text import vocab_size
+    from piper_plugin.models import build_toy_lm
+
+    path, data = _profile(tmp_path)
+    run = _piper(capsys, "plan", "--recipe", "1f1b", "--pp", "2", "-m", "4", "--profile", str(path))
+    assert run.returncode == 0, run.stderr
+    line = next(l for l in run.stdout.splitlines() if l.startswith("step time"))
+    step = line.split()
+    assert line.endswith(f" s (profile {path})")
+    with torch.device("meta"):
+        model, cfg = build_toy_lm(stages=2, layers=4, vocab=vocab_size(), seq=64)
+    tokens, targets = lm_batch(cfg, 16)
+    _, _, _, sim = compile_program(capture(model, lm_loss, (tokens,), targets),
+                                   lambda p: load("1f1b").schedule(p, pp=2, dp=1, ep=1, microbatches=4, zero=0, chunks=1),
+                                   cost=cost_model(data))
+    assert float(step[2]) == pytest.approx(sim.step_time, rel=1e-5)
+    wrong = _piper(capsys, "plan", "--model", "toy-moe", "--profile", str(path))
+    assert wrong.returncode == 2 and "--model toy-moe: the profile" in wrong.stderr and "pass --model toy-lm" in wrong.stderr
+    old, _ = _profile(tmp_path, features=["per task", "per op", "per forward FLOP of the microbatch", "per parameter byte"])
+    stale = _piper(capsys, "plan", "--profile", str(old))
+    assert stale.returncode == 2 and stale.stderr.count("piper: error:") == 1 and "piper calibrate --out" in stale.stderr
+
+
+def test_calibration_samples_a_fused_input_gradient_pass_as_a_whole_backward():
+    """A BI the plan runs as one whole backward is a B sample; its BW, which does nothing, none."""
+    from piper_plugin.calibrate import task_samples
+
+    _, _, plan, _ = compile_program(_program(4), lambda p: load("dualpipev").schedule(
+        p, pp=2, dp=1, ep=1, microbatches=4, zero=0, chunks=2))
+    fused = plan.ranks[0].fused
+    assert fused
+    timeline = [("compute", k, 0.0, 1.0) for k in plan.ranks[0].deps if plan.node(k).is_compute]
+    kinds = Counter(kind for kind, _, _ in task_samples(plan, 0, timeline))
+    total = Counter(plan.node(k).kind.value for k in plan.ranks[0].deps if plan.node(k).is_compute)
+    assert kinds["B"] == len(fused) and kinds["BI"] == total["BI"] - len(fused)
+    assert kinds["BW"] == total["BW"] - len(fused) and kinds["F"] == total["F"]

@@ -169,7 +169,7 @@ def _capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], example_inp
         ) from exc
     gm = fx.GraphModule(root, graph)
     probe = probe_sizes(gm, model, (*example_inputs, example_target))
-    program = _cut(gm, probe.nbytes, probe.views, type(model).__name__, int(example_inputs[0].shape[0]))
+    program = _cut(gm, probe.nbytes, probe.views, type(model).__name__, int(example_inputs[0].shape[0]), probe.flops)
     params = dict(gm.named_parameters())
     program.dag.meta.param_bytes = {n: p.numel() * p.element_size() for n, p in params.items()}
     program.dag.meta.param_shapes = {n: tuple(p.shape) for n, p in params.items()}
@@ -211,7 +211,9 @@ def _assign(gm: fx.GraphModule) -> list[tuple[dict[str, Any], list[fx.Node]]]:
     return runs
 
 
-def _cut(gm: fx.GraphModule, nbytes: dict[str, int], views: set[str], root_type: str, batch: int) -> Program:
+def _cut(gm: fx.GraphModule, nbytes: dict[str, int], views: set[str], root_type: str, batch: int,
+         flops: dict[str, int] | None = None) -> Program:
+    flops = flops or {}
     runs = _assign(gm)
     per_stage: dict[int, int] = {}
     for tags, _ in runs:
@@ -251,6 +253,7 @@ def _cut(gm: fx.GraphModule, nbytes: dict[str, int], views: set[str], root_type:
             param_bytes=sum(params[p].numel() * params[p].element_size() for p in region_params),
             flops=2 * batch * sum(params[p].numel() for p in region_params),
             ops=sum(n.op in ("call_function", "call_method", "call_module") for n in nodes),
+            matmul_flops=sum(flops.get(n.name, 0) for n in member),
         )
     input_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     dag = _single_device_dag(regions, producer, input_names, owner[loss_node], batch)

@@ -95,7 +95,12 @@ class Region:
     autograd Function over its weights), so a BI of it runs the whole backward and its BW
     nothing; the plan lowers it so (:mod:`piper_plugin.scheduler.backward_passes`). ``ops``: the
     operations its traced graph runs (0: not known, a module region); a calibrated cost model
-    charges each task a time per op (:mod:`piper_plugin.calibrate`).
+    charges each task a time per op (:mod:`piper_plugin.calibrate`). ``flops``: forward FLOPs
+    of the batch as 2 x samples x parameters (a size, for FLOP-rate cost models; hosts give
+    their own); ``matmul_flops``: the forward FLOPs of its matrix products (linear layers,
+    matmuls, attention, convolutions) counted from the traced shapes of the example batch (0:
+    not counted, a module region): what a calibrated cost model scales compute time with
+    (an embedding lookup costs no FLOPs, attention's grow with the sequence squared).
     """
 
     name: str
@@ -113,6 +118,7 @@ class Region:
     blocks: tuple[tuple[str, tuple[str, ...]], ...] = ()
     backward_splits: bool = True
     ops: int = 0
+    matmul_flops: int = 0
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 No real weights are touched: a model on the meta device runs on meta tensors (with repeated
 identical ops reused, so many equal layers cost one run), any other model on fake tensors.
+Each node's matrix-product FLOPs (linear layers, matmuls, attention, convolutions) are counted
+from its arguments' and output's shapes with torch's own FLOP formulas
+(:mod:`torch.utils.flop_counter`); other ops count 0.
 """
 from __future__ import annotations
 
@@ -10,7 +13,11 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
+import operator
+
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import flop_counter
 
 __all__ = ["probe_sizes"]
 
@@ -28,6 +35,7 @@ class _SizeProbe(fx.Interpreter):
         self.nbytes: dict[str, int] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.views: set[str] = set()  # outputs that alias an input's storage: no new memory
+        self.flops: dict[str, int] = {}  # node -> forward FLOPs of its matrix products
         self.memo: dict[Any, Any] | None = {} if memo else None
 
     def run_node(self, n: fx.Node) -> Any:
@@ -48,6 +56,9 @@ class _SizeProbe(fx.Interpreter):
         self.nbytes[n.name] = sum(t.numel() * t.element_size() for t in _tensors(out))
         if isinstance(out, torch.Tensor):
             self.shapes[n.name] = tuple(out.shape)
+            flops = _matmul_flops(self, n, out)
+            if flops:
+                self.flops[n.name] = flops
         return out
 
     def _memo_key(self, n: fx.Node) -> Any:
@@ -64,6 +75,39 @@ class _SizeProbe(fx.Interpreter):
             return n.op, target, _freeze(args), _freeze(kwargs)
         except _Uncacheable:
             return None
+
+
+_MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, F.linear, torch.addmm, torch.baddbmm}
+_MATMUL_METHODS = {"matmul", "__matmul__", "mm", "bmm"}
+
+
+def _matmul_flops(probe: _SizeProbe, n: fx.Node, out: torch.Tensor) -> int:
+    """Forward FLOPs of node ``n``'s matrix products (0 for anything else)."""
+    if n.op == "call_module":
+        module = probe.module.get_submodule(n.target)
+        args, _ = probe.fetch_args_kwargs_from_env(n)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None:
+            return 0
+        if isinstance(module, nn.Linear):
+            return 2 * x.numel() * module.out_features
+        if isinstance(module, nn.modules.conv._ConvNd):
+            return flop_counter.conv_flop_count(list(x.shape), list(module.weight.shape), list(out.shape),
+                                                transposed=isinstance(module, nn.modules.conv._ConvTransposeNd))
+        return 0
+    if n.op == "call_function" and n.target in _MATMULS or n.op == "call_method" and n.target in _MATMUL_METHODS:
+        args, _ = probe.fetch_args_kwargs_from_env(n)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if n.target in (torch.addmm, torch.baddbmm):
+            tensors = tensors[1:]
+        if n.target is F.linear:  # (x, weight[out, in]): every output element is one dot of length in
+            return 2 * out.numel() * tensors[1].shape[-1] if len(tensors) > 1 else 0
+        return 2 * out.numel() * tensors[0].shape[-1] if len(tensors) > 1 and tensors[0].dim() else 0
+    if n.op == "call_function" and n.target is F.scaled_dot_product_attention:
+        args, _ = probe.fetch_args_kwargs_from_env(n)
+        q, k, v = (a for a in args[:3])
+        return flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+    return 0
 
 
 def _aliases_input(probe: _SizeProbe, n: fx.Node, out: Any) -> bool:

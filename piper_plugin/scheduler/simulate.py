@@ -3,7 +3,8 @@
 Semantics (the runtime's): each (rank, logical stream) runs its tasks strictly in plan order;
 a task starts once its local dependencies finished; compute tasks of one rank share one
 compute unit; SEND is buffered (never blocks) and its RECV completes once the data arrived;
-a collective starts when every member of its group reached it; compute tasks ready at one time
+a collective starts when every member of its group reached it (a cost model's ``comm_cpu_share``
+of a communication task's time holds the rank's compute unit too); compute tasks ready at one time
 start in the plan's global order (never by rank, so dp replicas with one plan keep one timeline,
 and one replica per class is simulated: :mod:`.symmetry`). If tasks remain when nothing can
 start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
@@ -140,11 +141,14 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     group_of: dict[tuple[str, tuple[int, ...]], dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     peer_rank: list[dict[str, int]] = [{} for _ in range(world)]  # per rank: P2P node -> other side
     RECV, SEND = Kind.RECV, Kind.SEND
+    cpu_share = cost.comm_cpu_share
     # a BI of a region whose backward does not split runs the whole backward: it costs its BW
-    # too, and that BW nothing (a BI fused with the BW right after it keeps the two costs)
+    # too, and that BW nothing (a BI fused with the BW right after it keeps the two costs, or,
+    # under a cost model that measured whole backwards, costs one: its BW nothing)
+    as_b = cost.measures_whole_backward
     whole = [{key: format_key(nodes[key].region, Kind.BW, nodes[key].microbatch, nodes[key].qual)
-              for key in rp.fused if not backward_splits(dag, nodes[key].region)} if rep[rp.rank] == rp.rank else {}
-             for rp in plan.ranks]
+              for key in rp.fused if as_b or not backward_splits(dag, nodes[key].region)}
+             if rep[rp.rank] == rp.rank else {} for rp in plan.ranks]
     emptied = [set(w.values()) for w in whole]
 
     def group(node, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -215,6 +219,8 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             start = t
             if key in emptied[r]:
                 duration = 0.0
+            elif as_b and key in whole[r]:
+                duration = cost.compute(dag, node, "B")
             else:
                 duration = cost.compute(dag, node)
                 if key in whole[r] and whole[r][key] in nodes:
@@ -225,6 +231,8 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
             start = t
             size = len(group(node, r)[0]) if node.axis else 2
             duration = 0.0 if kind == RECV else cost.comm(node, size)
+            if cpu_share and duration:  # the CPU that moves it is the one that computes
+                compute_free[r] = max(compute_free[r], start) + cpu_share * duration
         finish = start + duration
         stream = node.stream
         end[r][key] = finish
