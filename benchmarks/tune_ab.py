@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=32, help="sequence length (calibration, tuning and every job)")
+    parser.add_argument("--seq", type=int, default=128,
+                        help="sequence length (calibration, tuning and every job; default 128: compute, not overhead)")
     parser.add_argument("--microbatches", type=int, default=4, help="the hand-written recipes' microbatches")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each job's median")
@@ -73,17 +74,18 @@ def _step_time(metrics: Path, warmup: int) -> tuple[float, int]:
 _UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
 
 
-def predicted(config: list[str], profile: Path) -> tuple[float, float]:
+def predicted(config: list[str], profile: Path) -> tuple[float, float, str]:
     """``piper plan --profile`` of a configuration: (simulated step seconds, peak bytes of the
-    fullest rank, to the printed precision)."""
+    fullest rank, to the printed precision, the plan's hash)."""
     run = _piper("plan", *config, "--profile", str(profile))
     if run.returncode != 0:
         raise SystemExit(f"piper plan {' '.join(config)} failed:\n{run.stderr[-2000:]}")
     lines = run.stdout.splitlines()
     step = float(next(line.split()[2] for line in lines if line.startswith("step time")))
+    digest = next(line.split()[-1] for line in lines if line.startswith("plan "))
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("peak memory per rank")) + 2:]
     peak = max(float(row.split()[-2]) * _UNITS[row.split()[-1]] for row in table if row.strip())
-    return step, peak
+    return step, peak, digest
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,8 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{median(times[name]) / tuned_ms:.2f}", " ".join(f"{r:.2f}" for r in ratios[name]),
              f"**{median(ratios[name]):.2f}**", f"{peaks[name] / 2 ** 20:.1f}", f"{peak_ratio[name]:.2f}")
             for name in names]
+    rows = [(*row, predictions[name][2]) for row, name in zip(rows, names)]
     table = markdown_table(("plan", "step (ms) per round", "median (ms)", "/ tuned", "predicted / measured per round",
-                            "median", "peak (MiB, measured)", "peak predicted / measured"), rows)
+                            "median", "peak (MiB, measured)", "peak predicted / measured", "plan hash"), rows)
+    same = [n for n in names[1:] if predictions[n][2] == predictions[names[0]][2]]
     step_error = max(abs(median(ratios[n]) - 1) for n in names)
     round_error = max(abs(r - 1) for n in names for r in ratios[n])
     peak_error = max(abs(peak_ratio[n] - 1) for n in names)
@@ -157,7 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         table,
         "",
         f"Fastest measured: {fastest}. The tuned plan's median over the fastest hand-written one's: "
-        f"{tuned_ms / min(median(times[n]) for n in names[1:]):.2f}.",
+        f"{tuned_ms / min(median(times[n]) for n in names[1:]):.2f}."
+        + (f" The tuned plan is the same plan as {', '.join(same)} (one plan hash): their difference is "
+           f"this run's job-to-job noise." if same else ""),
         "",
         f"The profile's predictions (`piper plan --profile` of each plan, with a profile `piper calibrate` "
         f"measured at the start of the round, before its timed jobs) against the measured steps: the median "
