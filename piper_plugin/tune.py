@@ -1,9 +1,10 @@
 """Strategy search by simulation (``piper tune``).
 
 Every built-in recipe x every grid ``pp x dp x ep`` of the ranks x ZeRO level x microbatch
-count x chunks per rank x stream overlay (one kind of communication moved onto a logical stream
-of its own, so it runs beside the stream it came from) is compiled on the same model and global
-batch and simulated with one cost model; what does not apply (too few microbatches, a stage count the model cannot cut, an
+count x chunks per rank x order overlay (1F1B with k more forwards in flight per rank before its
+first backward, :data:`WARMUP_OVERLAYS`) x stream overlay (one kind of communication moved onto a
+logical stream of its own, so it runs beside the stream it came from) is compiled on the same
+model and global batch and simulated with one cost model; what does not apply (too few microbatches, a stage count the model cannot cut, an
 expert degree on a model without experts) is counted with its reason, not scored. Plans whose
 simulated peak memory on their fullest rank is above the cap are set aside; the rest are
 ranked by simulated step time, then by memory. The best one's directives are written as a
@@ -19,11 +20,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["Candidate", "Scored", "TuneResult", "grids", "candidates", "search", "STREAM_OVERLAYS"]
+__all__ = ["Candidate", "Scored", "TuneResult", "grids", "candidates", "search", "STREAM_OVERLAYS",
+           "WARMUP_OVERLAYS"]
 
 # node filters a stream overlay moves onto a stream of its own (None: the recipe's streams)
 STREAM_OVERLAYS = (None, "kind=SEND", "kind=ALL_TO_ALL", "kind=REDUCE_SCATTER", "kind=ALL_GATHER", "kind=ALL_REDUCE")
 OVERLAY_STREAM = "tuned"
+# order overlays: extra forwards in flight beyond 1F1B's warm-up (0: the recipe's own order)
+WARMUP_OVERLAYS = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,27 @@ class Candidate:
     microbatches: int
     chunks: int
     stream: str | None = None  # a node filter moved onto its own stream (a stream overlay)
+    warmup: int = 0  # forwards in flight beyond 1F1B's warm-up (an order overlay; 1f1b only)
 
     def label(self) -> str:
         chunks = f" v={self.chunks}" if self.chunks > 1 else ""
+        order = f" order[warm-up+{self.warmup}]" if self.warmup else ""
         stream = f" stream[{self.stream}]" if self.stream else ""
         return (f"{self.recipe} pp={self.pp} dp={self.dp} ep={self.ep} zero={self.zero} "
-                f"m={self.microbatches}{chunks}{stream}")
+                f"m={self.microbatches}{chunks}{order}{stream}")
+
+    def schedule(self, program: Any) -> Any:
+        """This candidate's Schedule over ``program`` (its recipe, order and stream overlays)."""
+        from piper_plugin.api.schedule import Schedule
+        from piper_plugin.recipes import load, one_f_one_b
+
+        settings = dict(pp=self.pp, dp=self.dp, ep=self.ep, microbatches=self.microbatches, zero=self.zero)
+        if self.warmup:
+            sch = one_f_one_b(Schedule(program, pp=self.pp, dp=self.dp, ep=self.ep), microbatches=self.microbatches,
+                              zero=self.zero, extra_warmup=self.warmup)
+        else:
+            sch = load(self.recipe).schedule(program, chunks=self.chunks, **settings)
+        return _overlaid(sch, self.stream)
 
 
 @dataclass
@@ -81,9 +100,10 @@ def grids(ranks: int, experts: bool) -> Iterator[tuple[int, int, int]]:
 
 def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str], zero_levels: Sequence[int],
                microbatches: Sequence[int], chunks: Sequence[int],
-               streams: Sequence[str | None] = (None,)) -> Iterator[Candidate]:
+               streams: Sequence[str | None] = (None,), warmups: Sequence[int] = (0,)) -> Iterator[Candidate]:
     """The search space: a microbatch count must give every data shard (dp x ep of them) whole
-    samples; chunks above 1 only for recipes that place several stages on a rank."""
+    samples; chunks above 1 only for recipes that place several stages on a rank; an order
+    overlay (``warmups`` above 0) only on 1f1b with a pipeline and microbatches for it to move."""
     from piper_plugin.recipes import load
 
     for name, (pp, dp, ep), zero, m in itertools.product(recipes, grids(ranks, experts), zero_levels, microbatches):
@@ -98,18 +118,21 @@ def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str],
             if stages in seen_stages:
                 continue  # a recipe that ignores chunks: once
             seen_stages.add(stages)
-            for stream in streams:
-                yield Candidate(name, pp, dp, ep, zero, m, v, stream)
+            for warmup in warmups:
+                if warmup and (name != "1f1b" or pp == 1 or pp - 1 + warmup > m):
+                    continue  # nothing to move (beyond m the order is GPipe's, scored as gpipe)
+                for stream in streams:
+                    yield Candidate(name, pp, dp, ep, zero, m, v, stream, warmup)
 
 
 def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, experts: bool, cost: Any,
            memory_cap: float | None = None, recipes: Sequence[str] | None = None,
            zero_levels: Sequence[int] = (0, 1, 2, 3), microbatches: Sequence[int] = (1, 2, 4, 8, 16),
            chunks: Sequence[int] = (1, 2), max_stages: int | None = None,
-           streams: Sequence[str | None] = STREAM_OVERLAYS) -> TuneResult:
+           streams: Sequence[str | None] = STREAM_OVERLAYS, warmups: Sequence[int] = WARMUP_OVERLAYS) -> TuneResult:
     """Score every candidate. ``build_program(stages)`` captures the model cut into that many
     stages (cached per count here); ``max_stages`` skips candidates needing more; ``streams``:
-    the stream overlays tried on every candidate."""
+    the stream overlays tried on every candidate; ``warmups``: the order overlays (1f1b's)."""
     from piper_plugin.compiler import compile_program
     from piper_plugin.recipes import RECIPES, RecipeError, load
 
@@ -117,7 +140,8 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
     duplicates = no_overlay = 0
     fitting, over, refused, hashes = [], [], Counter(), set()
     for cand in candidates(ranks, batch, experts=experts, recipes=list(recipes or RECIPES),
-                           zero_levels=zero_levels, microbatches=microbatches, chunks=chunks, streams=streams):
+                           zero_levels=zero_levels, microbatches=microbatches, chunks=chunks, streams=streams,
+                           warmups=warmups):
         recipe = load(cand.recipe)
         stages = recipe.stages(cand.pp, cand.chunks)
         if max_stages is not None and stages > max_stages:
@@ -126,10 +150,7 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
         try:
             if stages not in programs:
                 programs[stages] = build_program(stages)
-            settings = dict(pp=cand.pp, dp=cand.dp, ep=cand.ep, microbatches=cand.microbatches, zero=cand.zero)
-            _, sch, plan, result = compile_program(
-                programs[stages], lambda p: _overlaid(recipe.schedule(p, chunks=cand.chunks, **settings), cand.stream),
-                cost=cost)
+            _, sch, plan, result = compile_program(programs[stages], cand.schedule, cost=cost)
         except _NoOverlay:
             no_overlay += 1
             continue

@@ -74,18 +74,24 @@ def gpipe(p: int, m: int) -> Orders:
             for r in range(p)]
 
 
-def one_f_one_b(p: int, m: int) -> Orders:
+def one_f_one_b(p: int, m: int, extra_warmup: int = 0) -> Orders:
     """Non-interleaved 1F1B (PipeDream-flush).
 
     Rank ``r``: ``w = min(p-r-1, m)`` warm-up forwards, then ``m-w`` pairs
     ``F(i+w), B(i)``, then the ``w`` remaining backwards. Microbatches run in
     order on every rank. Peak in-flight activations on rank ``r``:
     ``min(p-r, m)``. Idle per rank: ``(p-1)(F+B)``.
+
+    ``extra_warmup`` k: ``w = min(p-r-1+k, m)``, k more forwards in flight on every
+    rank before its first backward (k more activations held; a message's latency
+    then hides behind a queued forward); k >= m - 1 is GPipe.
     """
     _check(p, m)
+    if extra_warmup < 0:
+        raise ValueError(f"extra_warmup must be >= 0; got {extra_warmup}")
     orders = []
     for r in range(p):
-        w = min(p - r - 1, m)
+        w = min(p - r - 1 + extra_warmup, m)
         acts = [("F", r, i) for i in range(w)]
         for i in range(m - w):
             acts += [("F", r, i + w), ("B", r, i)]

@@ -72,9 +72,11 @@ def gpipe(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int 
     return _apply_orders(sch, _orders.gpipe(sch.grid.pp, microbatches), False)
 
 
-def one_f_one_b(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int | None = None) -> Schedule:
+def one_f_one_b(sch: Schedule, *, microbatches: int, zero: int = 0, bucket_bytes: int | None = None,
+                extra_warmup: int = 0) -> Schedule:
+    """``extra_warmup``: forwards each rank runs ahead beyond 1F1B's warm-up (:func:`~.orders.one_f_one_b`)."""
     _prepare(sch, "1f1b", 1, "loop", microbatches, zero, bucket_bytes, False)
-    return _apply_orders(sch, _orders.one_f_one_b(sch.grid.pp, microbatches), False)
+    return _apply_orders(sch, _orders.one_f_one_b(sch.grid.pp, microbatches, extra_warmup), False)
 
 
 def interleaved_1f1b(sch: Schedule, *, microbatches: int, chunks: int = 2, zero: int = 0,

@@ -72,6 +72,8 @@ def test_every_score_is_its_own_plans_simulation_and_the_cap_holds():
         recipe = load(c.recipe)
 
         def schedule(p, c=c, recipe=recipe):
+            if c.warmup:
+                return c.schedule(p)
             sch = recipe.schedule(p, chunks=c.chunks, pp=c.pp, dp=c.dp, ep=c.ep, microbatches=c.microbatches,
                                   zero=c.zero)
             return sch.stream(c.stream, OVERLAY_STREAM) if c.stream else sch
@@ -212,3 +214,46 @@ def test_calibration_samples_a_fused_input_gradient_pass_as_a_whole_backward():
     total = Counter(plan.node(k).kind.value for k in plan.ranks[0].deps if plan.node(k).is_compute)
     assert kinds["B"] == len(fused) and kinds["BI"] == total["BI"] - len(fused)
     assert kinds["BW"] == total["BW"] - len(fused) and kinds["F"] == total["F"]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
+def test_extra_warmup_holds_more_forwards_and_ends_in_gpipe(p, m):
+    """1F1B with k more forwards in flight: a valid order (it simulates, each (stage, mb) once),
+    rank r holds min(p - r + k, m) activations at its peak, and k = m - 1 is GPipe's order."""
+    from piper_plugin.recipes.orders import gpipe, one_f_one_b
+
+    for k in range(m):
+        orders = one_f_one_b(p, m, extra_warmup=k)
+        for r, acts in enumerate(orders):
+            assert sorted(acts) == sorted(one_f_one_b(p, m)[r])
+            held = peak = 0
+            for kind, _, _ in acts:
+                held += 1 if kind == "F" else -1
+                peak = max(peak, held)
+            assert peak == min(p - r + k, m)
+    assert one_f_one_b(p, m, extra_warmup=m - 1) == gpipe(p, m)
+    with pytest.raises(ValueError, match="extra_warmup"):
+        one_f_one_b(p, m, extra_warmup=-1)
+
+
+def test_the_tuner_searches_order_overlays_and_writes_one_that_replays(tmp_path):
+    """Order overlays are candidates of their own (1f1b with a pipeline only); a scored one's
+    trace, replayed through load(), compiles to the same plan."""
+    cands = list(candidates(2, BATCH, experts=False, recipes=["1f1b", "gpipe"], zero_levels=(0,),
+                            microbatches=(1, 4), chunks=(1,), warmups=(0, 1, 2)))
+    overlaid = [c for c in cands if c.warmup]
+    assert overlaid and all(c.recipe == "1f1b" and c.pp == 2 and c.microbatches == 4 for c in overlaid)
+    assert {c.warmup for c in overlaid} == {1, 2} and "order[warm-up+1]" in overlaid[0].label()
+    result = search(_program, 2, BATCH, experts=False, cost=CostModel.uniform(comm=0.3), recipes=["1f1b", "gpipe"],
+                    zero_levels=(0,), microbatches=(8,), chunks=(1,), streams=(None,))
+    scored = {s.candidate.warmup: s for s in result.fitting if s.candidate.recipe == "1f1b" and s.candidate.pp == 2}
+    gpipe = next(s for s in result.fitting if s.candidate.recipe == "gpipe" and s.candidate.pp == 2)
+    assert set(scored) == {0, 1, 2}
+    assert scored[0].peak_bytes < scored[1].peak_bytes < scored[2].peak_bytes < gpipe.peak_bytes  # one more each
+    # with message latency, two forwards ahead beat 1F1B's step at less memory than GPipe's
+    assert scored[2].step_time < scored[0].step_time
+    path = tmp_path / "w2.json"
+    path.write_text(scored[2].schedule.dumps())
+    replayed = compile_program(_program(2), lambda p: load(str(path)).schedule(p))
+    direct = compile_program(_program(2), scored[2].candidate.schedule)
+    assert replayed.plan.hash() == direct.plan.hash()
