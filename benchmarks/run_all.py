@@ -149,9 +149,15 @@ def memory_pairs(texts: dict[str, str]) -> list[tuple[str, float, float]]:
 
 
 def predictions(texts: dict[str, str]) -> list[tuple[str, float, float]]:
-    """(label, simulated, measured): calibrate's step times (ms) and ep_overlap's bubbles (%)."""
+    """(label, simulated, measured): calibrate's step times (ms), tune_ab's predicted steps of
+    every plan it trained (ms, medians over its rounds) and ep_overlap's bubbles (%)."""
     out = [(f"step {m.group(1)}", float(m.group(2)), float(m.group(3)))
            for m in re.finditer(r"calibrate\s+(.+?): predicted ([0-9.]+) ms, measured ([0-9.]+) ms", texts.get("tune_ab", ""))]
+    for table in tables(texts.get("tune_ab", "")):
+        for row in table:
+            measured, ratio = number(row.get("median (ms)", "")), number(row.get("median", "").strip("*"))
+            if measured and ratio:
+                out.append((f"step {row['plan']}", ratio * measured, measured))
     for table in tables(texts.get("ep_overlap", "")):
         for row in table:
             meas, sim = number(row.get("bubble measured", "")), number(row.get("bubble simulated", ""))

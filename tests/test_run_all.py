@@ -29,7 +29,8 @@ def test_tables_and_ratios_read_the_benchmarks_own_columns():
                           "| 1F1B | piper | 110 |\n"),
         "compile_ab": "| schedule | stages | piper / torch |\n|---|---|---|\n| 1F1B | eager | **1.103** |\n",
         "memory_check": "| schedule | rank | simulated KiB | measured KiB |\n|---|---|---|---|\n| 1f1b | 0 | 90 | 100 |\n",
-        "tune_ab": "calibrate  1f1b pp=2 dp=1 m=2 zero=0: predicted 60.0 ms, measured 52.0 ms\n",
+        "tune_ab": ("| plan | median (ms) | median |\n|---|---|---|\n| gpipe pp=2 m=4 | 40.0 | **1.10** |\n\n"
+                    "calibrate  1f1b pp=2 dp=1 m=2 zero=0: predicted 60.0 ms, measured 52.0 ms\n"),
         "ep_overlap": ("| engine | schedule | bubble measured | bubble simulated |\n|---|---|---|---|\n"
                        "| piper | DualPipeV | 50% | 30% |\n| torch | DualPipeV |  |  |\n"),
     }
@@ -39,6 +40,7 @@ def test_tables_and_ratios_read_the_benchmarks_own_columns():
     assert ratios["compile_ab: 1F1B eager"] == pytest.approx(1.103)
     assert run_all.memory_pairs(texts) == [("1f1b r0", 90.0, 100.0)]
     assert run_all.predictions(texts) == [("step 1f1b pp=2 dp=1 m=2 zero=0", 60.0, 52.0),
+                                          ("step gpipe pp=2 m=4", pytest.approx(44.0), 40.0),
                                           ("bubble % DualPipeV", 30.0, 50.0)]
 
 
