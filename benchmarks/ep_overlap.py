@@ -119,7 +119,11 @@ def _trace_figures(trace: Path, link_bits: float, args, name: str) -> dict:
     results = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / "ep_overlap.md"
     out = results.parent
     pictures = write_trace(out / f"{results.stem}_{name}", plan, measured, simulated, name, simulated_in_seconds=True)
+    cores = os.cpu_count() or 1
     return {"measured_bubble": measured.bubble_fraction, "simulated_bubble": simulated.bubble_fraction,
+            # ranks computing at once, on average over the step, per core: near 1 the cores are full,
+            # and no schedule shortens the step by more than its inverse
+            "cores_busy": sum(measured.busy) / measured.step_time / cores,
             "measured_step": measured.step_time, "simulated_step": simulated.step_time,
             "hidden": sum(m["hidden_s"] for m in members) / comm if comm else None,
             "exchange_share": statistics.fmean(exchanges) / measured.step_time,
@@ -162,9 +166,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     pct = lambda x: "" if x is None else f"{x:.0%}"  # noqa: E731
     table = markdown_table(
         ["engine", "schedule", "tokens/s", "vs Piper 1F1B", "bubble measured", "bubble simulated",
-         "all-to-all time / step", "all-to-all under the paired compute"],
+         "all-to-all time / step", "all-to-all under the paired compute", "cores computing"],
         [[r["engine"], r["schedule"], f"{r['tps']:.0f}", f"{r['tps'] / base:.2f}x", pct(r.get("measured_bubble")),
-          pct(r.get("simulated_bubble")), pct(r.get("exchange_share")), pct(r.get("hidden"))] for r in rows])
+          pct(r.get("simulated_bubble")), pct(r.get("exchange_share")), pct(r.get("hidden")),
+          pct(r.get("cores_busy"))] for r in rows])
     pictures = "\n".join(f"- {r['engine']} {r['schedule']}: " + ", ".join(f"[{Path(p).name}]({p})" for p in r["pictures"])
                          for r in rows if "pictures" in r)
     path = write_result(args.out, "ep_overlap.md", (
@@ -179,7 +184,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
         f"{', DualPipeV with ' + ' '.join(BALANCED_V) + ' (stages [embeddings, 0, 1], [2, 3], [4], [5, head])' if args.balanced_v else ''}, {args.steps} steps (tokens/s: median of steps {args.warmup + 1}-{args.steps} "
         f"as TorchTitan logs them, mean over ranks). Bubbles and the all-to-all share are of the last step's measured "
         f"trace; the simulation runs the same plan at the measured task times with messages at {args.rate} (their "
-        f"sizes as the plan estimates them). 4 ranks share 2 cores: every figure here is limited by the core count.\n\n"
+        f"sizes as the plan estimates them). 4 ranks share {os.cpu_count()} cores: every figure here is limited by "
+        f"the core count; 'cores computing' is the ranks' summed compute time over the step span per core (the "
+        f"last step's trace): near 100% the cores are full and no schedule shortens the step by more than its "
+        f"inverse.\n\n"
         f"{table}\n\nTimelines (measured, simulated):\n{pictures}\n"))
     print(f"wrote {path}")
     return rows

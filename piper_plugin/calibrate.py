@@ -7,13 +7,15 @@ least-squares fit gives seconds per task, per op of the region (Python and dispa
 what dominates small models on a CPU), per forward matmul FLOP and per activation byte of the
 microbatch, and per parameter byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
 ping-pongs of several sizes (gloo) for the seconds per byte; the time per message the
-simulator charges is then the one (searched over 1 us-10 ms) whose simulations of the
+simulator charges is then the one (searched over 1 us-100 ms) whose simulations of the
 calibration jobs come closest to their measured step times (log error): it carries what the
 runtime adds to each message (its threads, copies, waits), which a raw ping-pong does not; with
 it, the share of a message's time that also holds the rank's compute (gloo copies and reduces
 on the cores that compute; searched over 0-100%), which decides whether overlapping a
 collective with compute pays. The profile (JSON, with each job's measured and predicted step)
-is what :func:`cost_model` reads.
+is what :func:`cost_model` reads. With more ranks than the machine has cores, a task is charged
+the core time it had (where more ranks computed at once than there are cores, a share of its
+span) and the profile names the cores, which the simulator's ranks then share.
 
 Invariant: a profile is measured on the model and sizes it names and used for that model; a
 profile for another model still loads, with its figures as measured (the tuner says which).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +42,7 @@ CALIBRATION_JOBS: tuple[tuple[str, str, int, int, int], ...] = (
     ("1f1b", "all", 1, 0, 1), ("1f1b", "all", 4, 0, 1), ("1f1b", "all", 16, 0, 1), ("zb-h1", "all", 2, 0, 1),
     ("zb-h1", "all", 8, 0, 1), ("1f1b", "one", 4, 0, 1), ("1f1b", "one", 1, 0, 1),
     ("interleaved-1f1b", "one", 1, 0, 2), ("1f1b", "one", 2, 3, 1))
-LATENCIES = tuple(10 ** (-6 + k / 10) for k in range(41))  # 1 us .. 10 ms, the per-message time searched
+LATENCIES = tuple(10 ** (-6 + k / 10) for k in range(51))  # 1 us .. 100 ms, the per-message time searched
 WARMUP_STEPS = 2  # a job's first steps, left out of its median step
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # of a message's time, also on the compute's CPU: searched
 MESSAGE_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)
@@ -78,22 +81,41 @@ def fit_compute(samples: list[tuple[str, tuple[float, ...], float]]) -> dict[str
     return fitted
 
 
-def task_samples(plan, rank: int, timeline: list) -> list[tuple[str, tuple[float, ...], float]]:
+def task_samples(plan, rank: int, timeline: list, others: dict[int, list] | None = None,
+                 cores: int | None = None) -> list[tuple[str, tuple[float, ...], float]]:
     """``(kind, features, seconds)`` of rank ``rank``'s measured compute tasks. A BI the plan runs
-    as the whole backward (fused with its BW) is a sample of B; its BW, which does nothing, none."""
+    as the whole backward (fused with its BW) is a sample of B; its BW, which does nothing, none.
+    With ``cores`` and every rank's timeline (``others``), a task's span counts only the share of
+    a core it had: where more ranks computed at once than there are cores, they took turns (the
+    simulator gives such ranks ``cores`` shared units, so it charges the work, not the span)."""
     from piper_plugin.ir.nodes import Kind, format_key
     from piper_plugin.scheduler.cost import task_features
 
     fused = plan.ranks[rank].fused
     emptied = {format_key(plan.node(k).region, Kind.BW, plan.node(k).microbatch, plan.node(k).qual) for k in fused}
+    computing = [(s, e) for tl in (others or {}).values() for _, k, s, e in tl if plan.node(k).is_compute]
     out = []
     for _, key, start, end in timeline:
         node = plan.node(key)
         if not node.is_compute or key in emptied:
             continue
         kind = "B" if key in fused else node.kind.value
-        out.append((kind, task_features(plan.dag, node), end - start))
+        seconds = end - start if cores is None else _core_seconds(start, end, computing, cores)
+        out.append((kind, task_features(plan.dag, node), seconds))
     return out
+
+
+def _core_seconds(start: float, end: float, computing: list[tuple[float, float]], cores: int) -> float:
+    """Of the span ``[start, end]``, the core time it had: each stretch counts min(1, cores /
+    ranks computing then) (``computing``: every rank's compute spans, this one's included)."""
+    near = [(max(s, start), min(e, end)) for s, e in computing if s < end and e > start]
+    cuts = sorted({start, end, *(t for span in near for t in span)})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        busy = sum(s <= mid < e for s, e in near)
+        total += (b - a) * min(1.0, cores / max(busy, 1))
+    return total
 
 
 def fit_messages(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -143,6 +165,8 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
 
     if steps <= WARMUP_STEPS:
         raise ValueError(f"steps={steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
+    cpus = os.cpu_count() or ranks
+    shared = cpus if ranks > cpus else None  # more ranks than cores: they share them
     samples: list[tuple[str, tuple[float, ...], float]] = []
     steps_measured: list[tuple[str, Any, float]] = []  # (job, plan, median step of the slowest rank)
     message_job = None
@@ -168,8 +192,9 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
             slowest[m_["step"]] = max(slowest.get(m_["step"], 0.0), m_["step_time_s"])
         name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}" + (f" v={chunks}" if chunks > 1 else "")
         steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= WARMUP_STEPS)))
+        timelines = {r: result["timeline"] for r, result in per_rank.items()}
         for r, result in per_rank.items():
-            samples += task_samples(plan, r, result["timeline"])
+            samples += task_samples(plan, r, result["timeline"], timelines, shared)
         say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
         message_job = message_job or (job, program, plan)
@@ -180,12 +205,15 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
     wire_latency, per_byte = fit_messages(measured["p2p"])
     compute = fit_compute(samples)
-    latency, collective, share = fit_cpu_share(compute, per_byte, [(plan, step) for _, plan, step in steps_measured])
-    predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured], share)
+    latency, collective, share = fit_cpu_share(compute, per_byte, [(plan, step) for _, plan, step in steps_measured],
+                                               cores=shared)
+    predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured], share,
+                         shared)
     say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
         f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
         f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective, {share:.0%} of it on the "
-        f"compute's CPU")
+        f"compute's CPU" + (f"; {ranks} ranks share {shared} cores (tasks charged the core time they had)" if shared
+                            else ""))
     jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
             for (name, _, step), p in zip(steps_measured, predicted)]
     for j in jobs:
@@ -194,12 +222,13 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
             "features": list(TASK_FEATURES),
             "compute": compute, "latency_s": latency, "collective_latency_s": collective, "seconds_per_byte": per_byte,
-            "comm_cpu_share": share,
+            "comm_cpu_share": share, "cores": shared,
             "ping_pong_latency_s": wire_latency, "messages": measured, "tasks_measured": len(samples),
             "jobs": jobs}
 
 
-def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float, cpu_share: float = 0.0):
+def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float, cpu_share: float = 0.0,
+           cores: int | None = None):
     """``latencies``: (point to point, collective) seconds per message."""
     from piper_plugin.ir.nodes import COLLECTIVES
     from piper_plugin.scheduler.cost import CostModel
@@ -207,14 +236,14 @@ def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: fl
     p2p, collective = latencies
     return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=p2p,
                      latency_by_kind={kind.value: collective for kind in COLLECTIVES}, seconds_per_byte=per_byte,
-                     comm_cpu_share=cpu_share)
+                     comm_cpu_share=cpu_share, cores=cores)
 
 
 def _predict(compute: dict[str, list[float]], latencies: tuple[float, float], per_byte: float,
-             plans: list, cpu_share: float = 0.0) -> list[float]:
+             plans: list, cpu_share: float = 0.0, cores: int | None = None) -> list[float]:
     from piper_plugin.scheduler.simulate import simulate
 
-    cost = _model(compute, latencies, per_byte, cpu_share)
+    cost = _model(compute, latencies, per_byte, cpu_share, cores)
     return [simulate(plan, cost).step_time for plan in plans]
 
 
@@ -223,22 +252,22 @@ def _log_error(predicted: list[float], measured: list[float]) -> float:
 
 
 def fit_cpu_share(compute: dict[str, list[float]], per_byte: float,
-                  measured: list[tuple[Any, float]]) -> tuple[float, float, float]:
+                  measured: list[tuple[Any, float]], cores: int | None = None) -> tuple[float, float, float]:
     """(point to point, collective, CPU share): for each share of :data:`CPU_SHARES` the
     per-message times :func:`fit_latencies` gives, and the share whose simulated steps of the
     ``(plan, measured step)`` pairs have the least squared log error."""
     plans, steps = [p for p, _ in measured], [s for _, s in measured]
     best = None
     for share in CPU_SHARES:
-        pair = fit_latencies(compute, per_byte, measured, cpu_share=share)
-        error = _log_error(_predict(compute, pair, per_byte, plans, share), steps)
+        pair = fit_latencies(compute, per_byte, measured, cpu_share=share, cores=cores)
+        error = _log_error(_predict(compute, pair, per_byte, plans, share, cores), steps)
         if best is None or error < best[0]:
             best = (error, (*pair, share))
     return best[1]
 
 
 def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]],
-                which: int = 0, other: float | None = None, cpu_share: float = 0.0) -> float:
+                which: int = 0, other: float | None = None, cpu_share: float = 0.0, cores: int | None = None) -> float:
     """The per-message time (of :data:`LATENCIES`) whose simulated steps of the ``(plan,
     measured step)`` pairs have the least squared log error: ``which`` 0 fits the point-to-point
     time (collectives at ``other``, or the same), 1 the collectives' (point to point at ``other``)."""
@@ -246,13 +275,15 @@ def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list
 
     def error(latency: float) -> float:
         pair = (latency, latency if other is None else other)
-        return _log_error(_predict(compute, pair if which == 0 else pair[::-1], per_byte, plans, cpu_share), steps)
+        return _log_error(_predict(compute, pair if which == 0 else pair[::-1], per_byte, plans, cpu_share, cores),
+                          steps)
 
     return min(LATENCIES, key=error)
 
 
 def fit_latencies(compute: dict[str, list[float]], per_byte: float,
-                  measured: list[tuple[Any, float]], cpu_share: float = 0.0) -> tuple[float, float]:
+                  measured: list[tuple[Any, float]], cpu_share: float = 0.0,
+                  cores: int | None = None) -> tuple[float, float]:
     """(point to point, collective) per-message times: the first from the jobs without
     collectives, the second from the others with it fixed (one time for both when either set
     of jobs is empty)."""
@@ -264,10 +295,10 @@ def fit_latencies(compute: dict[str, list[float]], per_byte: float,
     p2p_only = [(p, s) for p, s in measured if not has_collectives(p)]
     rest = [(p, s) for p, s in measured if has_collectives(p)]
     if not p2p_only or not rest:
-        both = fit_latency(compute, per_byte, measured, cpu_share=cpu_share)
+        both = fit_latency(compute, per_byte, measured, cpu_share=cpu_share, cores=cores)
         return both, both
-    p2p = fit_latency(compute, per_byte, p2p_only, cpu_share=cpu_share)
-    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share)
+    p2p = fit_latency(compute, per_byte, p2p_only, cpu_share=cpu_share, cores=cores)
+    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share, cores=cores)
 
 
 def cost_model(profile: dict[str, Any] | str | Path):
@@ -282,8 +313,10 @@ def cost_model(profile: dict[str, Any] | str | Path):
             raise ValueError(f"its compute is fitted on {profile['features']}, this version fits "
                              f"{list(TASK_FEATURES)}")
         latency = float(profile["latency_s"])
+        cores = profile.get("cores")
         return _model(profile["compute"], (latency, float(profile.get("collective_latency_s", latency))),
-                      float(profile["seconds_per_byte"]), float(profile.get("comm_cpu_share", 0.0)))
+                      float(profile["seconds_per_byte"]), float(profile.get("comm_cpu_share", 0.0)),
+                      int(cores) if cores else None)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         if not where:
             raise

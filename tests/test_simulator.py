@@ -252,3 +252,21 @@ def test_a_calibrated_profile_charges_a_fused_backward_as_one_whole_backward():
         bw = next(k for k in halves if plan.dag.nodes[k].kind == Kind.BW and plan.dag.nodes[k].region == node.region
                   and plan.dag.nodes[k].microbatch == node.microbatch)
         assert (halves[key], halves[bw]) == (pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_ranks_that_share_fewer_cores_take_turns():
+    """``cores`` below the rank count: at most that many compute tasks at once. Four data-parallel
+    ranks on two cores take twice one rank's compute; with a core each nothing changes."""
+    plan, _ = _simulate("1f1b", 1, 1, dp=4)
+    own = simulate(plan, CostModel(F=1.0, B=2.0, BI=1.0, BW=1.0))
+    assert own.step_time == pytest.approx(3.0)
+    shared = simulate(plan, CostModel(F=1.0, B=2.0, BI=1.0, BW=1.0, cores=2))
+    assert shared.step_time == pytest.approx(6.0) and shared.busy == own.busy
+    assert simulate(plan, CostModel(F=1.0, B=2.0, BI=1.0, BW=1.0, cores=4)).step_time == pytest.approx(3.0)
+    running = sorted((s, +1) for _, _, k, s, e in shared.timeline if plan.dag.nodes[k].is_compute) + \
+        sorted((e, -1) for _, _, k, s, e in shared.timeline if plan.dag.nodes[k].is_compute)
+    level = peak = 0
+    for _, step in sorted(running, key=lambda x: (x[0], x[1])):
+        level += step
+        peak = max(peak, level)
+    assert peak == 2

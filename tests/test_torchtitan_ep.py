@@ -9,6 +9,7 @@ overlap blocks, each piece's all-to-all on the ``ep`` stream), whose measured tr
 microbatches' all-to-alls running while the other one computes.
 """
 import json
+import os
 
 import pytest
 
@@ -69,4 +70,6 @@ def test_expert_parallel_dualpipev_matches_torchtitan_for_10_steps(tmp_path):
     figures = _trace_figures(trace, 1e9, SimpleNamespace(out=tmp_path / "results" / "ep_overlap.md"), "dualpipev")
     assert 0 < figures["measured_bubble"] < 1 and 0 <= figures["simulated_bubble"] < 1, figures
     assert 0 < figures["hidden"] <= 1 and 0 < figures["exchange_share"] < 1, figures
+    cores = os.cpu_count() or 1  # 4 ranks' compute over the step, per core
+    assert figures["cores_busy"] == pytest.approx(4 * (1 - figures["measured_bubble"]) / cores), figures
     assert all((tmp_path / "results" / p).stat().st_size > 0 for p in figures["pictures"]), figures

@@ -257,3 +257,12 @@ def test_the_tuner_searches_order_overlays_and_writes_one_that_replays(tmp_path)
     replayed = compile_program(_program(2), lambda p: load(str(path)).schedule(p))
     direct = compile_program(_program(2), scored[2].candidate.schedule)
     assert replayed.plan.hash() == direct.plan.hash()
+
+
+def test_a_task_that_shared_a_core_is_charged_the_core_time_it_had():
+    from piper_plugin.calibrate import _core_seconds
+
+    spans = [(0.0, 3.0), (0.0, 3.0), (1.0, 2.0)]  # three ranks computing over [1, 2], two cores
+    assert _core_seconds(0.0, 3.0, spans, cores=2) == pytest.approx(1.0 + 2 / 3 + 1.0)
+    assert _core_seconds(1.0, 2.0, spans, cores=2) == pytest.approx(2 / 3)
+    assert _core_seconds(0.0, 3.0, spans, cores=4) == pytest.approx(3.0)

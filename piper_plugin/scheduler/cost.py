@@ -5,7 +5,8 @@ derives compute time from each region's FLOPs for one microbatch of one data sha
 ``per_task`` sets the time of a (kind, region) outright (measured times, for one).
 Collective time follows ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather,
 reduce-scatter and all-to-all (n-1)/n. ``comm_cpu_share`` of a communication task's time also
-holds its rank's compute unit (communication that costs CPU, as gloo's on a CPU).
+holds its rank's compute unit (communication that costs CPU, as gloo's on a CPU); with ``cores``
+all ranks' compute tasks share that many units (more ranks than cores on one machine).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class CostModel:
     # share of each message's / collective's time its rank's compute unit is held too (0: a
     # DMA engine or NIC moves it; a CPU with gloo copies and reduces on the cores that compute)
     comm_cpu_share: float = 0.0
+    # compute units the ranks share (a machine's cores when it runs more ranks than it has, one
+    # process per rank); None: every rank its own
+    cores: int | None = None
     flops_per_second: float | None = None  # if set, compute time comes from region FLOPs
     per_region: dict[str, float] = field(default_factory=dict)  # multiplier per region
     per_task: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, region) -> seconds, first

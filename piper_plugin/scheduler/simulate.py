@@ -6,7 +6,9 @@ compute unit; SEND is buffered (never blocks) and its RECV completes once the da
 a collective starts when every member of its group reached it (a cost model's ``comm_cpu_share``
 of a communication task's time holds the rank's compute unit too); compute tasks ready at one time
 start in the plan's global order (never by rank, so dp replicas with one plan keep one timeline,
-and one replica per class is simulated: :mod:`.symmetry`). If tasks remain when nothing can
+and one replica per class is simulated: :mod:`.symmetry`). With a cost model's ``cores`` below
+the rank count, a compute task also waits for one of that many shared cores (first come, first
+served: the machine's throughput, not its time slicing). If tasks remain when nothing can
 start, the plan would deadlock and :class:`DeadlockError` names the blocked stream heads.
 
 Memory per rank: parameters, gradients and AdamW state (sized by ZeRO level and EP sharding)
@@ -108,8 +110,10 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     world = grid.world_size
     shards = plan.microbatches * grid.data_shards
     # dp replicas with one plan (plan.representative) have identical timelines: only one per
-    # class runs; ties at one time go by the global order, never by rank (so they stay so)
-    rep = _simulated(plan)
+    # class runs; ties at one time go by the global order, never by rank (so they stay so).
+    # Ranks that share fewer cores than there are ranks each run (their timelines differ)
+    cores = cost.cores if cost.cores is not None and cost.cores < world else None
+    rep = _simulated(plan) if cores is None else list(range(world))
     runs = [r for r in range(world) if rep[r] == r]
     position = {key: i for i, key in enumerate(plan.order)}
     heap: list[tuple[float, int, int, str]] = []
@@ -131,6 +135,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
                     users_r[d] = [k]
     end: list[dict[str, float]] = [{} for _ in range(world)]
     compute_free = [0.0] * world
+    core_free = [0.0] * (cores or 0)  # a heap: when each shared core is next free
     busy = [0.0] * world
     arrivals: dict[tuple[str, tuple[int, ...]], dict[int, float]] = {}
     timeline = []
@@ -213,6 +218,8 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
         kind = node.kind
         if node.is_compute:
             free = compute_free[r]
+            if cores is not None and core_free[0] > free:
+                free = core_free[0]
             if free > t:
                 heappush(heap, (free, position[key], r, key))
                 continue
@@ -226,6 +233,8 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
                 if key in whole[r] and whole[r][key] in nodes:
                     duration += cost.compute(dag, nodes[whole[r][key]])
             compute_free[r] = start + duration
+            if cores is not None:
+                heapq.heapreplace(core_free, start + duration)
             busy[r] += duration  # an UPDATE is compute too, as in a measured timeline
         else:
             start = t
