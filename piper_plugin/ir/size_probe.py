@@ -3,19 +3,18 @@
 No real weights are touched: a model on the meta device runs on meta tensors (with repeated
 identical ops reused, so many equal layers cost one run), any other model on fake tensors.
 Each node's matrix-product FLOPs (linear layers, matmuls, attention, convolutions) are counted
-from its arguments' and output's shapes with torch's own FLOP formulas
-(:mod:`torch.utils.flop_counter`); other ops count 0.
+from its arguments' and output's shapes (2 per multiply-add; attention and convolutions by
+:mod:`torch.utils.flop_counter`'s formulas); other ops count 0.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-import operator
-
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
 
