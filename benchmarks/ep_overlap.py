@@ -31,10 +31,7 @@ import json
 import os
 import pickle
 import platform
-import shlex
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +39,10 @@ from typing import Sequence
 
 import torch
 
-from piper_plugin import block_overlap, measured_costs, measured_result, simulate, write_trace
+from piper_plugin import (
+    block_overlap, inside_link, link_bits_per_second, measured_costs, measured_result, run_in_emulated_link, simulate,
+    write_trace,
+)
 from piper_plugin.adapters.torchtitan import run_titan
 
 from benchmarks._common import code_version, command_line, markdown_table, write_result
@@ -50,29 +50,22 @@ from benchmarks.ep_parity import CONFIG, cell_flags
 
 CELLS = (("piper", "DualPipeV"), ("piper", "1F1B"), ("piper", "Interleaved1F1B"), ("torch", "DualPipeV"),
          ("torch", "1F1B"))
-_INSIDE = "PIPER_EP_OVERLAP_LINK"
 
 
 def enter_link(rate: str, argv: Sequence[str]) -> int:
     """Re-run this benchmark inside a new network namespace whose loopback is ``rate``."""
-    if shutil.which("unshare") is None or shutil.which("tc") is None:
-        raise SystemExit("piper: error: the emulated link needs `unshare` and `tc` (iproute2), run as root")
-    # a packet larger than the bucket is never sent: loopback's 64 KiB MTU comes down to 9000 bytes
-    # under a 32 KiB bucket; a queue of up to 2 s of traffic drops nothing (no TCP retransmission stalls)
-    setup = (f"ip link set lo mtu 9000 && ip link set lo up && "
-             f"tc qdisc add dev lo root tbf rate {rate} burst 32kb latency 2s")
-    inner = " ".join([sys.executable, "-m", "benchmarks.ep_overlap", *map(shlex.quote, argv)])
-    env = dict(os.environ, **{_INSIDE: rate})
-    return subprocess.run(["unshare", "-n", "bash", "-c", f"{setup} && exec {inner}"], env=env,
-                          cwd=Path(__file__).resolve().parents[1]).returncode
+    try:
+        return run_in_emulated_link(rate, [sys.executable, "-m", "benchmarks.ep_overlap", *argv],
+                                    cwd=Path(__file__).resolve().parents[1])
+    except RuntimeError as exc:
+        raise SystemExit(f"piper: error: {exc}") from None
 
 
 def bits_per_second(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if rate.lower().endswith(unit):
-            return float(rate[: -len(unit)]) * scale
-    raise SystemExit(f"piper: error: --rate {rate!r}: write it as tc does, e.g. 100mbit or 1gbit")
+    try:
+        return link_bits_per_second(rate)
+    except ValueError as exc:
+        raise SystemExit(f"piper: error: --rate: {exc}") from None
 
 
 # DualPipeV's V puts stages 0 and 3 on one rank pair, 1 and 2 on the other. TorchTitan's split, which
@@ -154,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict] | None:
     parser = build_parser()
     args = parser.parse_args(argv)
     bits_per_second(args.rate)
-    if os.environ.get(_INSIDE) != args.rate:
+    if inside_link() != args.rate:
         raise SystemExit(enter_link(args.rate, argv))
     version = code_version()
     rows = []

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import code_version, command_line, machine_line, markdown_table, median, write_result
+from piper_plugin import inside_link, link_bits_per_second, run_in_emulated_link
 
 __all__ = ["main", "build_parser", "HAND_WRITTEN"]
 
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of each job's median")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--link", metavar="RATE",
+                        help="everything (calibration and jobs) over an emulated link of this rate (tc's form: "
+                             "1gbit): a private network namespace with a rate-limited loopback (root)")
     parser.add_argument("--out", type=Path, help="results file (default: benchmarks/results/tune_ab.md)")
     return parser
 
@@ -89,13 +93,23 @@ def predicted(config: list[str], profile: Path) -> tuple[float, float, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.link is not None and inside_link() != args.link:
+        try:
+            link_bits_per_second(args.link)
+            return run_in_emulated_link(args.link, [sys.executable, "-m", "benchmarks.tune_ab", *argv],
+                                        cwd=Path(__file__).resolve().parents[1])
+        except (ValueError, RuntimeError) as exc:
+            print(f"piper: error: --link: {exc}", file=sys.stderr)
+            return 2
     code_version()
     work = Path(tempfile.mkdtemp(prefix="tune_ab_"))
     tuned, profile = work / "tuned.json", work / "profile.json"
     sizes = ["--ranks", str(args.ranks), "--layers", str(args.layers), "--batch", str(args.batch), "--seq", str(args.seq)]
-    calibrate = _piper("calibrate", *sizes, "--out", str(profile))
+    link = ["--link", args.link] if args.link else []
+    calibrate = _piper("calibrate", *sizes, *link, "--out", str(profile))
     tune = _piper("tune", *sizes, "--profile", str(profile), "--top", "8", "--out", str(tuned))
     for step in (calibrate, tune):
         if step.returncode != 0:
@@ -117,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     predictions = {name: predicted([*configs[name], "--batch", str(args.batch)], profile) for name in names}
     for round_ in range(args.rounds):
         if round_:  # each round predicts with a profile measured just before it (the machine drifts)
-            again = _piper("calibrate", *sizes, "--out", str(profile))
+            again = _piper("calibrate", *sizes, *link, "--out", str(profile))
             if again.returncode != 0:
                 print(again.stdout + again.stderr, file=sys.stderr)
                 return 1
@@ -153,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"Command: `{command_line('tune_ab', args, parser)}`",
         "",
-        f"Machine: {machine_line(ranks='started by piper train --launcher fork, one job at a time')}",
+        f"Machine: {machine_line(ranks='started by piper train --launcher fork, one job at a time')}"
+        + (f"; every message over an emulated {args.link} link (a rate-limited loopback, tc tbf, in a private "
+           f"network namespace)" if args.link else ""),
         "",
         f"Toy LM, {args.layers} layers, batch {args.batch}, seq {args.seq}, {args.ranks} ranks, {args.steps} steps per job "
         f"(median of steps {args.warmup + 1}-{args.steps} of the slowest rank), {args.rounds} rounds, order rotated.",

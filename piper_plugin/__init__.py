@@ -30,7 +30,9 @@ nothing else from the engine.
   :class:`PausedForward`, whose pieces become regions of their own
 - Piper's own launchers: :class:`Job`, a rank of one (:class:`Worker`), :func:`run` ->
   :class:`RunResult`; :func:`start_ray`; a host framework's own trainer on Ray actors:
-  :func:`launch_host` with a :class:`HostRank` subclass
+  :func:`launch_host` with a :class:`HostRank` subclass; a command whose ranks talk over an
+  emulated link (a rate-limited loopback in a private network namespace):
+  :func:`run_in_emulated_link`, :func:`inside_link`, :func:`link_bits_per_second`
 - errors a caller handles: :class:`UsageError`, :class:`CaptureError`, :class:`PlanError`,
   :class:`PlanMismatch`, :class:`WorkerFailed`, :class:`HandOffError`
 """
@@ -56,6 +58,7 @@ from piper_plugin.runtime.memory import MemoryMeter
 from piper_plugin.runtime.launch.processes import WorkerFailed
 from piper_plugin.runtime.launch.ray_actors import start_ray
 from piper_plugin.runtime.launch.host_ranks import HostRank, launch_host
+from piper_plugin.runtime.launch.emulated_link import inside_link, link_bits_per_second, run_in_emulated_link
 from piper_plugin.training import RunResult, run
 from piper_plugin.train_report import measured_costs, measured_result, write_trace
 from piper_plugin.overlap_report import block_overlap, overlap_blocks
@@ -71,5 +74,6 @@ __all__ = [
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
     "Job", "Worker", "run", "RunResult", "start_ray", "HostRank", "launch_host",
+    "run_in_emulated_link", "inside_link", "link_bits_per_second",
     "UsageError", "CaptureError", "PlanError", "PlanMismatch", "WorkerFailed",
 ]

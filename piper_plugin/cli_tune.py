@@ -75,6 +75,10 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
     cal.add_argument("--seq", type=positive_int, default=32, metavar="T", help="sequence length (default: 32)")
     cal.add_argument("--steps", type=positive_int, default=8, metavar="N",
                      help="steps per calibration job, the first 2 left out of its median (default: 8)")
+    cal.add_argument("--link", metavar="RATE",
+                     help="measure over an emulated link of this rate (tc's form: 100mbit, 1gbit): the jobs and "
+                          "message timings run in a private network namespace whose loopback is rate-limited "
+                          "(root, unshare and tc)")
     cal.add_argument("--out", type=Path, required=True, metavar="FILE.json", help="where the profile goes")
     cal.set_defaults(run=run_calibrate)
     return cal
@@ -105,11 +109,29 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.ranks < 2:
         raise UsageError("--ranks 1: calibrating messages needs 2 ranks or more")
+    if args.link is not None:
+        from piper_plugin.runtime.launch.emulated_link import (
+            inside_link, link_bits_per_second, python_module_argv, run_in_emulated_link)
+
+        try:
+            link_bits_per_second(args.link)
+        except ValueError as exc:
+            raise UsageError(f"--link: {exc}") from None
+        if inside_link() != args.link:
+            again = ["calibrate", "--model", args.model, "--ranks", str(args.ranks), "--layers", str(args.layers),
+                     "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+                     "--link", args.link, "--out", str(args.out.resolve())]
+            try:
+                return run_in_emulated_link(args.link, python_module_argv("piper_plugin.cli", again))
+            except RuntimeError as exc:
+                raise UsageError(f"--link {args.link}: {exc}") from None
     if args.steps < 3:
         raise UsageError(f"--steps {args.steps}: a calibration job needs 3 steps or more (its first 2 are left out)")
     _check_seq(args.seq)
     profile = calibrate(model=args.model, ranks=args.ranks, layers=args.layers, batch=args.batch, seq=args.seq,
                         steps=args.steps)
+    if args.link is not None:
+        profile["link"] = args.link
     args.out.write_text(json.dumps(profile, indent=1))
     kinds = ", ".join(f"{k} {c[0] * 1e3:.2f} ms + {c[1] * 1e6:.1f} us/op" for k, c in profile["compute"].items())
     print(f"profile    {kinds}")

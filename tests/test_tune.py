@@ -266,3 +266,22 @@ def test_a_task_that_shared_a_core_is_charged_the_core_time_it_had():
     assert _core_seconds(0.0, 3.0, spans, cores=2) == pytest.approx(1.0 + 2 / 3 + 1.0)
     assert _core_seconds(1.0, 2.0, spans, cores=2) == pytest.approx(2 / 3)
     assert _core_seconds(0.0, 3.0, spans, cores=4) == pytest.approx(3.0)
+
+
+@pytest.mark.slow
+def test_calibrate_over_an_emulated_link_measures_its_rate(tmp_path, capsys):
+    """`--link 1gbit`: the calibration runs in a private network namespace whose loopback is
+    limited to 1 Gbit/s (root, tc), so the messages' bytes/s is the link's, not the loopback's."""
+    profile = tmp_path / "link.json"
+    cal = _piper(capsys, "calibrate", "--ranks", "2", "--layers", "2", "--batch", "16", "--steps", "3",
+                 "--link", "1gbit", "--out", str(profile))
+    assert cal.returncode == 0, cal.stderr[-3000:]
+    data = json.loads(profile.read_text())
+    assert data["link"] == "1gbit"
+    assert 0.6 * 125e6 < 1 / data["seconds_per_byte"] < 1.2 * 125e6, data["seconds_per_byte"]  # the loopback: GB/s
+
+
+def test_a_link_rate_tc_cannot_read_is_one_line(tmp_path, capsys):
+    run = _piper(capsys, "calibrate", "--link", "fast", "--out", str(tmp_path / "p.json"))
+    assert run.returncode == 2 and run.stderr.count("piper: error:") == 1
+    assert "--link: link rate 'fast': write it as tc does, e.g. 100mbit or 1gbit" in run.stderr
