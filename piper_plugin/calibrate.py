@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "fit_compute", "fit_messages", "fit_latency", "task_samples",
+__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "read_profile", "fit_compute", "fit_messages", "fit_latency", "task_samples",
            "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
@@ -81,27 +81,28 @@ def fit_compute(samples: list[tuple[str, tuple[float, ...], float]]) -> dict[str
     return fitted
 
 
-def task_samples(plan, rank: int, timeline: list, others: dict[int, list] | None = None,
+def task_samples(plan, timelines: dict[int, list],
                  cores: int | None = None) -> list[tuple[str, tuple[float, ...], float]]:
-    """``(kind, features, seconds)`` of rank ``rank``'s measured compute tasks. A BI the plan runs
-    as the whole backward (fused with its BW) is a sample of B; its BW, which does nothing, none.
-    With ``cores`` and every rank's timeline (``others``), a task's span counts only the share of
+    """``(kind, features, seconds)`` of the measured compute tasks in ``timelines`` (rank ->
+    its timeline). A BI the plan runs as the whole backward (fused with its BW) is a sample of
+    B; its BW, which does nothing, none. With ``cores``, a task's span counts only the share of
     a core it had: where more ranks computed at once than there are cores, they took turns (the
     simulator gives such ranks ``cores`` shared units, so it charges the work, not the span)."""
-    from piper_plugin.ir.nodes import Kind, format_key
+    from piper_plugin.ir.nodes import weight_pass_key
     from piper_plugin.scheduler.cost import task_features
 
-    fused = plan.ranks[rank].fused
-    emptied = {format_key(plan.node(k).region, Kind.BW, plan.node(k).microbatch, plan.node(k).qual) for k in fused}
-    computing = [(s, e) for tl in (others or {}).values() for _, k, s, e in tl if plan.node(k).is_compute]
+    computing = [(s, e) for tl in timelines.values() for _, k, s, e in tl if plan.node(k).is_compute]
     out = []
-    for _, key, start, end in timeline:
-        node = plan.node(key)
-        if not node.is_compute or key in emptied:
-            continue
-        kind = "B" if key in fused else node.kind.value
-        seconds = end - start if cores is None else _core_seconds(start, end, computing, cores)
-        out.append((kind, task_features(plan.dag, node), seconds))
+    for rank, timeline in timelines.items():
+        fused = plan.ranks[rank].fused
+        emptied = {weight_pass_key(plan.node(k)) for k in fused}
+        for _, key, start, end in timeline:
+            node = plan.node(key)
+            if not node.is_compute or key in emptied:
+                continue
+            kind = "B" if key in fused else node.kind.value
+            seconds = end - start if cores is None else _core_seconds(start, end, computing, cores)
+            out.append((kind, task_features(plan.dag, node), seconds))
     return out
 
 
@@ -192,9 +193,7 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
             slowest[m_["step"]] = max(slowest.get(m_["step"], 0.0), m_["step_time_s"])
         name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}" + (f" v={chunks}" if chunks > 1 else "")
         steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= WARMUP_STEPS)))
-        timelines = {r: result["timeline"] for r, result in per_rank.items()}
-        for r, result in per_rank.items():
-            samples += task_samples(plan, r, result["timeline"], timelines, shared)
+        samples += task_samples(plan, {r: result["timeline"] for r, result in per_rank.items()}, shared)
         say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
         message_job = message_job or (job, program, plan)
@@ -301,14 +300,30 @@ def fit_latencies(compute: dict[str, list[float]], per_byte: float,
     return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share, cores=cores)
 
 
+def _not_a_profile(where: str, exc: BaseException) -> ValueError:
+    return ValueError(f"cost profile {where!r} is not one `piper calibrate` wrote "
+                      f"({type(exc).__name__}: {exc}); write one with `piper calibrate --out FILE`")
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """A profile file's contents; a ValueError names the file and the fix when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+    except (OSError, ValueError, TypeError) as exc:
+        raise _not_a_profile(str(path), exc) from None
+    return data
+
+
 def cost_model(profile: dict[str, Any] | str | Path):
     """The :class:`~piper_plugin.scheduler.cost.CostModel` of a profile (or its JSON file)."""
     from piper_plugin.scheduler.cost import TASK_FEATURES
 
     where = "" if isinstance(profile, dict) else str(profile)
+    if where:
+        profile = read_profile(where)
     try:
-        if where:
-            profile = json.loads(Path(where).read_text())
         if list(profile.get("features", TASK_FEATURES)) != list(TASK_FEATURES):
             raise ValueError(f"its compute is fitted on {profile['features']}, this version fits "
                              f"{list(TASK_FEATURES)}")
@@ -317,8 +332,7 @@ def cost_model(profile: dict[str, Any] | str | Path):
         return _model(profile["compute"], (latency, float(profile.get("collective_latency_s", latency))),
                       float(profile["seconds_per_byte"]), float(profile.get("comm_cpu_share", 0.0)),
                       int(cores) if cores else None)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         if not where:
             raise
-        raise ValueError(f"cost profile {where!r} is not one `piper calibrate` wrote "
-                         f"({type(exc).__name__}: {exc}); write one with `piper calibrate --out FILE`") from None
+        raise _not_a_profile(where, exc) from None

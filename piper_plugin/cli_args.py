@@ -44,6 +44,15 @@ def int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 positive_int = int_at_least(1, "a positive integer")
 
 
+def check_seq(seq: int) -> None:
+    """A sequence length the shipped corpus can fill (what the toy models train on)."""
+    from piper_plugin.data.text import token_stream
+
+    tokens = len(token_stream())
+    if seq >= tokens:
+        raise UsageError(f"--seq {seq} is longer than the shipped corpus ({tokens} tokens)")
+
+
 def positive_float(text: str) -> float:
     """An argparse ``type``: a finite number > 0."""
     try:

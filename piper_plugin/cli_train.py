@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_plugin.cli_args import (
-    UsageError, add_strategy_args, int_at_least, positive_float, positive_int, resolve_strategy,
+    UsageError, add_strategy_args, check_seq, int_at_least, positive_float, positive_int, resolve_strategy,
 )
 
 __all__ = ["add_train_parser", "run_train"]
@@ -169,14 +169,11 @@ def run_train(args: argparse.Namespace) -> int:
     from piper_plugin.train_report import Progress, measured_costs, measured_result, write_trace
     from piper_plugin.training import run, toy_job
 
-    from piper_plugin.data.text import token_stream
-
     setup = resolve_strategy(args)
     world = _check(args, setup)
     resumed = _resumed(args)
     flags = _job_flags(args, setup, resumed)
-    if flags["seq"] >= len(token_stream()):
-        raise UsageError(f"--seq {flags['seq']} is longer than the shipped corpus ({len(token_stream())} tokens)")
+    check_seq(flags["seq"])
     model, batch, layers, seq, lr, seed = (flags[k] for k in ("model", "batch", "layers", "seq", "lr", "seed"))
     described = {"job": flags, "strategy": {"recipe": setup.name, "pp": setup.pp, "dp": setup.dp, "ep": setup.ep,
                                             "zero": setup.zero, "microbatches": setup.microbatches}}

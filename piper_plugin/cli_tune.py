@@ -16,7 +16,7 @@ import json
 import re
 from pathlib import Path
 
-from piper_plugin.cli_args import UsageError, positive_int
+from piper_plugin.cli_args import UsageError, check_seq, positive_int
 
 __all__ = ["add_tune_parser", "run_tune", "add_calibrate_parser", "run_calibrate", "parse_bytes", "profile_sizes"]
 
@@ -87,21 +87,13 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
 def profile_sizes(path: Path) -> dict:
     """The model and sizes a cost profile was measured on (``model``, ``layers``, ``batch``,
     ``seq``; what it lacks is absent)."""
+    from piper_plugin.calibrate import read_profile
+
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--profile {path}: cannot read it ({exc}); write one with `piper calibrate --out FILE`") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--profile {path}: not a profile `piper calibrate` wrote; write one with "
-                         f"`piper calibrate --out FILE`")
+        data = read_profile(path)
+    except ValueError as exc:
+        raise UsageError(f"--profile: {exc}") from None
     return {k: data[k] for k in ("model", "layers", "batch", "seq") if k in data}
-
-
-def _check_seq(seq: int) -> None:
-    from piper_plugin.data.text import token_stream
-
-    if seq >= len(token_stream()):
-        raise UsageError(f"--seq {seq} is longer than the shipped corpus ({len(token_stream())} tokens)")
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -127,7 +119,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 raise UsageError(f"--link {args.link}: {exc}") from None
     if args.steps < 3:
         raise UsageError(f"--steps {args.steps}: a calibration job needs 3 steps or more (its first 2 are left out)")
-    _check_seq(args.seq)
+    check_seq(args.seq)
     profile = calibrate(model=args.model, ranks=args.ranks, layers=args.layers, batch=args.batch, seq=args.seq,
                         steps=args.steps)
     if args.link is not None:
@@ -154,7 +146,7 @@ def run_tune(args: argparse.Namespace) -> int:
     sizes = profile_sizes(args.profile) if args.profile is not None else {}
     layers, batch = args.layers or sizes.get("layers", 8), args.batch or sizes.get("batch", 16)
     seq = args.seq or sizes.get("seq", 32)
-    _check_seq(seq)
+    check_seq(seq)
     experts = args.model == "toy-moe"
 
     def build_program(stages: int):

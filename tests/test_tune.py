@@ -210,7 +210,7 @@ def test_calibration_samples_a_fused_input_gradient_pass_as_a_whole_backward():
     fused = plan.ranks[0].fused
     assert fused
     timeline = [("compute", k, 0.0, 1.0) for k in plan.ranks[0].deps if plan.node(k).is_compute]
-    kinds = Counter(kind for kind, _, _ in task_samples(plan, 0, timeline))
+    kinds = Counter(kind for kind, _, _ in task_samples(plan, {0: timeline}))
     total = Counter(plan.node(k).kind.value for k in plan.ranks[0].deps if plan.node(k).is_compute)
     assert kinds["B"] == len(fused) and kinds["BI"] == total["BI"] - len(fused)
     assert kinds["BW"] == total["BW"] - len(fused) and kinds["F"] == total["F"]

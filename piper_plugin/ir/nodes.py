@@ -52,6 +52,11 @@ def format_key(region: str, kind: Kind, microbatch: int | None, qual: str = "") 
     return f"{key}@{qual}" if qual else key
 
 
+def weight_pass_key(node: "Node") -> str:
+    """The key of the BW that pairs with the BI (or B) ``node``: same region, microbatch, qualifier."""
+    return format_key(node.region, Kind.BW, node.microbatch, node.qual)
+
+
 def parse_key(key: str) -> tuple[str, Kind, int | None, str]:
     """Inverse of :func:`format_key`: ``"1.1BI3"`` -> ``("1.1", Kind.BI, 3, "")``."""
     match = _KEY_RE.match(key)

@@ -84,6 +84,8 @@ def _matmul_flops(probe: _SizeProbe, n: fx.Node, out: torch.Tensor) -> int:
     """Forward FLOPs of node ``n``'s matrix products (0 for anything else)."""
     if n.op == "call_module":
         module = probe.module.get_submodule(n.target)
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            return 0
         args, _ = probe.fetch_args_kwargs_from_env(n)
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None:

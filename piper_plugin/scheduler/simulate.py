@@ -20,7 +20,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from piper_plugin.ir.graph import gc_paused
-from piper_plugin.ir.nodes import COLLECTIVES, Kind, format_key
+from piper_plugin.ir.nodes import COLLECTIVES, Kind, weight_pass_key
 from piper_plugin.scheduler.backward_passes import backward_splits
 from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.plan import Plan
@@ -151,9 +151,9 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
     # too, and that BW nothing (a BI fused with the BW right after it keeps the two costs, or,
     # under a cost model that measured whole backwards, costs one: its BW nothing)
     as_b = cost.measures_whole_backward
-    whole = [{key: format_key(nodes[key].region, Kind.BW, nodes[key].microbatch, nodes[key].qual)
-              for key in rp.fused if as_b or not backward_splits(dag, nodes[key].region)}
-             if rep[rp.rank] == rp.rank else {} for rp in plan.ranks]
+    whole = [{key: weight_pass_key(nodes[key]) for key in rp.fused
+              if as_b or not backward_splits(dag, nodes[key].region)} if rep[rp.rank] == rp.rank else {}
+             for rp in plan.ranks]
     emptied = [set(w.values()) for w in whole]
 
     def group(node, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
