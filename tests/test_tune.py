@@ -22,6 +22,7 @@ from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.tune import OVERLAY_STREAM, candidates, grids, search
 
 BATCH, LAYERS = 16, 4
+SEQ = 128  # steps of ~40 ms: compute, not per-task overhead and the machine's jitter, makes them
 
 
 def _program(stages: int):
@@ -125,8 +126,8 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     sizes), the best plan's file replayed by ``piper train`` (its grid and microbatches come from
     the file), and the profile's predictions of two recipes against their measured steps."""
     profile, best = tmp_path / "profile.json", tmp_path / "best.json"
-    cal = _piper(capsys, "calibrate", "--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH), "--seq", "64",
-                 "--out", str(profile))
+    cal = _piper(capsys, "calibrate", "--ranks", "2", "--layers", str(LAYERS), "--batch", str(BATCH),
+                 "--seq", str(SEQ), "--out", str(profile))
     assert cal.returncode == 0, cal.stderr[-3000:]
     data = json.loads(profile.read_text())
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
@@ -136,9 +137,9 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
         assert 0.7 < job["predicted_step_s"] / job["measured_step_s"] < 1.4, job
     tune = _piper(capsys, "tune", "--ranks", "2", "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
-    assert f"{LAYERS} layers, batch {BATCH}, seq 64, 2 ranks" in tune.stdout
+    assert f"{LAYERS} layers, batch {BATCH}, seq {SEQ}, 2 ranks" in tune.stdout
     first = next(l for l in tune.stdout.splitlines() if l.split()[:1] == ["1"])
-    model = ["--layers", str(LAYERS), "--batch", str(BATCH), "--seq", "64", "--launcher", "fork"]
+    model = ["--layers", str(LAYERS), "--batch", str(BATCH), "--seq", str(SEQ), "--launcher", "fork"]
     train = _piper(capsys, "train", "--recipe-file", str(best), *model, "--steps", "2")
     assert train.returncode == 0, train.stderr[-3000:]
     trace = json.loads(best.read_text())
