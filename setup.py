@@ -33,5 +33,8 @@ setup(
         "piper_plugin.commands": ["launch = piper_plugin.adapters.torchtitan.ray_launch:add_launch_parser"],
         # trainers `piper launch --host NAME` runs: a module with host_argv(args, nproc) and rank_class
         "piper_plugin.hosts": ["megatron = piper_plugin.adapters.megatron.launch"],
+        # `piper calibrate --host NAME`: a module with program, calibration_jobs(argv, nproc) and job_argv
+        "piper_plugin.calibration": ["torchtitan = piper_plugin.adapters.torchtitan.calibration",
+                                     "megatron = piper_plugin.adapters.megatron.calibration"],
     },
 )

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "cost_model", "read_profile", "fit_compute", "fit_messages", "fit_latency", "task_samples",
+__all__ = ["CALIBRATION_JOBS", "calibrate", "fit_profile", "measure_messages", "cost_model", "read_profile", "fit_compute", "fit_messages", "fit_latency", "task_samples",
            "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
@@ -161,7 +161,6 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     from piper_plugin.compiler import compile_job
     from piper_plugin.recipes import load
     from piper_plugin.runtime.launch.processes import run_forked
-    from piper_plugin.scheduler.cost import TASK_FEATURES
     from piper_plugin.training import toy_job
 
     if steps <= WARMUP_STEPS:
@@ -201,28 +200,55 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
         raise ValueError(f"batch {batch} does not split into any calibration job's microbatches on {ranks} ranks; "
                          f"use a batch that is a multiple of {8 * ranks}")
     job, program, plan = message_job
-    measured = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
-    wire_latency, per_byte = fit_messages(measured["p2p"])
+    messages = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
+    profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks, **profile}
+
+
+def measure_messages(ranks: int) -> dict[str, list[tuple[int, float]]]:
+    """Ping-pong times between ranks 0 and 1 of ``ranks`` forked ranks (of a two-layer toy job:
+    the ranks and their gloo group as a calibration job has them), for :func:`fit_profile`."""
+    from piper_plugin.compiler import compile_job
+    from piper_plugin.recipes import load
+    from piper_plugin.runtime.launch.processes import run_forked
+    from piper_plugin.training import toy_job
+
+    def schedule(program):
+        return load("1f1b").schedule(program, pp=ranks, dp=1, ep=1, microbatches=ranks, zero=0, chunks=1)
+
+    job = toy_job(schedule, model="toy-lm", stages=ranks, layers=ranks, batch=ranks, seq=8, steps=1)
+    program, _, plan, _ = compile_job(job)
+    return run_forked(job, program, plan, body=_message_body(repeats=20))[0]
+
+
+def fit_profile(samples: list[tuple[str, tuple[float, ...], float]], steps_measured: list[tuple[str, Any, float]],
+                messages: dict[str, list[tuple[int, float]]], *, cores: int | None = None,
+                say: Callable[[str], None] = print) -> dict[str, Any]:
+    """The profile's fitted part: compute coefficients from the task ``samples``, message
+    bytes/s from the ping-pong ``messages``, and the per-message times and CPU share from the
+    ``(job, plan, measured median step)`` list; each job's predicted step beside its measured one."""
+    from piper_plugin.scheduler.cost import TASK_FEATURES
+
+    wire_latency, per_byte = fit_messages(messages["p2p"])
     compute = fit_compute(samples)
     latency, collective, share = fit_cpu_share(compute, per_byte, [(plan, step) for _, plan, step in steps_measured],
-                                               cores=shared)
+                                               cores=cores)
     predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured], share,
-                         shared)
+                         cores)
     say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
         f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
         f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective, {share:.0%} of it on the "
-        f"compute's CPU" + (f"; {ranks} ranks share {shared} cores (tasks charged the core time they had)" if shared
+        f"compute's CPU" + (f"; the ranks share {cores} cores (tasks charged the core time they had)" if cores
                             else ""))
     jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
             for (name, _, step), p in zip(steps_measured, predicted)]
     for j in jobs:
         say(f"calibrate  {j['job']}: predicted {j['predicted_step_s'] * 1e3:.1f} ms, "
             f"measured {j['measured_step_s'] * 1e3:.1f} ms")
-    return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks,
-            "features": list(TASK_FEATURES),
+    return {"features": list(TASK_FEATURES),
             "compute": compute, "latency_s": latency, "collective_latency_s": collective, "seconds_per_byte": per_byte,
-            "comm_cpu_share": share, "cores": shared,
-            "ping_pong_latency_s": wire_latency, "messages": measured, "tasks_measured": len(samples),
+            "comm_cpu_share": share, "cores": cores,
+            "ping_pong_latency_s": wire_latency, "messages": messages, "tasks_measured": len(samples),
             "jobs": jobs}
 
 

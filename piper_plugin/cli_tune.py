@@ -2,6 +2,7 @@
 simulation with it and write the best as a recipe file.
 
     piper calibrate --ranks 2 --out profile.json          # ~1 minute of short jobs on forked ranks
+    piper calibrate --host torchtitan --out p.json -- --config llama3_debugmodel_pp2_1f1b  # through an adapter
     piper tune --ranks 2 --profile profile.json [--memory-cap 64MiB] [--top 10] [--out best.json]
 
 Prints the plans that fit the cap, fastest first (predicted step time and peak memory of the
@@ -79,7 +80,14 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
                      help="measure over an emulated link of this rate (tc's form: 100mbit, 1gbit): the jobs and "
                           "message timings run in a private network namespace whose loopback is rate-limited "
                           "(root, unshare and tc)")
+    cal.add_argument("--host", metavar="NAME",
+                     help="calibrate a host framework's model through its adapter (torchtitan, megatron): the "
+                          "arguments after -- are the host's training command (torchtitan.train's, or "
+                          "pretrain_gpt's); its calibration jobs run it under torchrun on --ranks ranks with the "
+                          "Piper engine, several recipes and microbatch counts, each with a step trace")
     cal.add_argument("--out", type=Path, required=True, metavar="FILE.json", help="where the profile goes")
+    cal.add_argument("host_args", nargs=argparse.REMAINDER, metavar="-- HOST_ARGS",
+                     help="with --host: the host's training arguments, e.g. -- --config llama3_debugmodel_pp2_1f1b")
     cal.set_defaults(run=run_calibrate)
     return cal
 
@@ -93,6 +101,10 @@ def profile_sizes(path: Path) -> dict:
         data = read_profile(path)
     except ValueError as exc:
         raise UsageError(f"--profile: {exc}") from None
+    if "host" in data:
+        flag = "--piper-profile" if data["host"] == "megatron" else "--piper.profile"
+        raise UsageError(f"--profile {path}: it was measured on --host {data['host']} ({data.get('model')}); "
+                         f"a host's plans are its adapter's: pass it to the host's {flag}")
     return {k: data[k] for k in ("model", "layers", "batch", "seq") if k in data}
 
 
@@ -101,6 +113,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.ranks < 2:
         raise UsageError("--ranks 1: calibrating messages needs 2 ranks or more")
+    host_args = list(args.host_args or [])
+    if host_args and host_args[0] == "--":
+        host_args = host_args[1:]
+    if args.host is not None or host_args:
+        return _run_host_calibration(args, host_args)
     if args.link is not None:
         from piper_plugin.runtime.launch.emulated_link import (
             inside_link, link_bits_per_second, python_module_argv, run_in_emulated_link)
@@ -129,6 +146,26 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(f"profile    {kinds}")
     print(f"wrote {args.out}: piper tune --ranks {args.ranks} --profile {args.out} (its model: {args.model}, "
           f"{args.layers} layers, batch {args.batch}, seq {args.seq})")
+    return 0
+
+
+def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int:
+    """``piper calibrate --host NAME [--ranks N] [--steps S] --out P -- <host arguments>``."""
+    from piper_plugin.calibrate_host import calibrate_host
+
+    if args.host is None:
+        raise UsageError(f"unrecognized arguments {' '.join(host_args)}: a host's arguments go after --host NAME --, "
+                         f"e.g. piper calibrate --host torchtitan --out p.json -- --config llama3_debugmodel_pp2_1f1b")
+    if not host_args:
+        raise UsageError(f"--host {args.host}: put the host's training arguments after --, e.g. -- --config "
+                         f"llama3_debugmodel_pp2_1f1b")
+    if args.link is not None:
+        raise UsageError("--link with --host: run the host's calibration inside the link yourself "
+                         "(piper.run_in_emulated_link), or calibrate a toy model with --link")
+    profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps)
+    args.out.write_text(json.dumps(profile, indent=1))
+    flag = "--piper-profile" if args.host == "megatron" else "--piper.profile"
+    print(f"wrote {args.out}: add {flag} {args.out} to the host's command to see each plan's predicted step")
     return 0
 
 

@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
                              "optimizer state, 2 also the gradients (reduce-scattered per microbatch), 3 also the "
                              "parameters (gathered per microbatch, freed after use)")
     engine.add_argument("--piper-timeout", type=float, default=300.0, help="seconds any distributed wait may take")
+    engine.add_argument("--piper-trace", default=None, metavar="DIR",
+                        help="write every step's measured timeline and wall time here (plan.pkl, rank<N>.json: "
+                             "what `piper calibrate --host megatron` reads)")
+    engine.add_argument("--piper-profile", default=None, metavar="FILE.json",
+                        help="a cost profile (`piper calibrate`): print the plan's step as it predicts it")
     return p
 
 
@@ -162,8 +167,9 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if vpp is not None and args.pipeline_engine == "megatron" and args.num_microbatches % pp:
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} microbatches; "
                             f"Megatron's interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
-    if args.piper_recipe and args.pipeline_engine != "piper":
-        raise ArgumentError("--piper-recipe chooses Piper's schedule; add --pipeline-engine=piper")
+    for flag in ("piper_recipe", "piper_trace", "piper_profile"):
+        if getattr(args, flag) and args.pipeline_engine != "piper":
+            raise ArgumentError(f"--{flag.replace('_', '-')} is Piper's; add --pipeline-engine=piper")
     _check_zero(args, dp, ep)
     _check_files(args)
     if args.save_interval is not None and args.save is None:

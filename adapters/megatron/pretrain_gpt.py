@@ -221,7 +221,8 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                                  placement)
     if args.pipeline_engine == "piper":
         forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout,
-                                                  zero=args.piper_zero)
+                                                  zero=args.piper_zero, trace=args.piper_trace,
+                                                  profile=args.piper_profile)
         if args.piper_zero:  # the parameters become faces of this rank's shards before the optimizer sees them
             forward_backward.prepare(model=chunks, num_microbatches=args.num_microbatches,
                                      seq_length=args.seq_length, micro_batch_size=args.micro_batch_size)

@@ -16,6 +16,7 @@ microbatches in. Only the hidden states cross ranks.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -180,6 +181,9 @@ class LocalChunks(nn.Module):
         self.stages = nn.ModuleDict({str(s): m for s, m in sorted(chunks.items())})
 
 
+ACTIVATIONS_PER_LAYER = 17  # hidden states a transformer layer keeps for its backward (estimate)
+
+
 class MegatronProgram(Program):
     """A Program whose chunks are Megatron model chunks run by the user's ``forward_step_func``."""
 
@@ -216,15 +220,39 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
         regions[str(s)] = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=names, inputs=inputs, outputs=outputs,
             value_bytes={v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs},
-            activation_bytes=hidden_bytes * 8,  # an estimate: unmeasured (Megatron's stages are not probed)
+            activation_bytes=_activation_bytes(params[s], hidden_bytes),
             param_bytes=sum(b for _, _, b in params[s]),
-            flops=6 * tokens * numel)
+            flops=6 * tokens * numel, matmul_flops=_matmul_flops(params[s], tokens, hidden_shape))
     return MegatronProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),
         batch_size=microbatch_size * microbatches, param_bytes=param_bytes, param_shapes=param_shapes,
         value_shapes={hidden_name(s): (hidden_shape[0], microbatch_size * microbatches, *hidden_shape[2:])
                       for s in range(num - 1)},
         root_type=model_type)
+
+
+def _activation_bytes(params: list[tuple[str, tuple[int, ...], int]], hidden_bytes: int) -> int:
+    """What a stage's forward keeps, estimated (Megatron's stages are not probed): per transformer
+    layer (a distinct ``layers.<i>`` among its parameters) ~17 hidden states (the inputs of its
+    norms, projections and MLP, the attention's q, k, v and output, the MLP's 4x-wide hidden
+    counted as 4), and the stage's output."""
+    layers = {m.group(1) for name, _, _ in params if (m := re.search(r"layers\.(\d+)\.", name))}
+    return hidden_bytes * (1 + ACTIVATIONS_PER_LAYER * max(len(layers), 1))
+
+
+def _matmul_flops(params: list[tuple[str, tuple[int, ...], int]], tokens: int, hidden_shape) -> int:
+    """A stage's forward matrix-product FLOPs for ``tokens`` tokens, from its parameters (Megatron's
+    stages are not probed): 2 per token per element of each weight matrix outside the embeddings
+    (a lookup: no FLOPs), and each attention layer's scores and weighted sum (``linear_qkv``:
+    4 x sequence x hidden per token). An estimate: a MoE layer's experts count whole."""
+    seq, hidden = hidden_shape[0], hidden_shape[-1]
+    flops = 0
+    for name, shape, _ in params:
+        if len(shape) == 2 and "embedding" not in name:
+            flops += 2 * tokens * _numel(shape)
+        if name.endswith("linear_qkv.weight"):
+            flops += 4 * tokens * seq * hidden
+    return flops
 
 
 def _numel(shape) -> int:

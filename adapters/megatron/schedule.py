@@ -29,13 +29,17 @@ before the optimizer is built (it turns the chunks' parameters into faces of thi
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from piper_plugin import DirectiveError, Executor, ExecutorConfig, UsageError, ValueSpec, compile_program, recipes
+from piper_plugin import (
+    DirectiveError, Executor, ExecutorConfig, StepTrace, UsageError, ValueSpec, compile_program, cost_model, recipes,
+    simulate,
+)
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.zero import LEVELS
@@ -59,12 +63,21 @@ class PiperForwardBackward:
     ``recipe``: a Piper recipe name, recipe file or JSON trace (None: ``1f1b``, or
     ``interleaved-1f1b`` when each rank holds several model chunks). ``zero``: Piper's ZeRO level
     over Megatron's data-parallel group (None: Megatron's DDP reduces, each pipeline a replica
-    of the plan)."""
+    of the plan). ``trace``: a folder where each step's timeline and wall time go
+    (:class:`~piper_plugin.StepTrace`); ``profile``: a cost profile whose prediction of the plan's
+    step global rank 0 prints once the plan is compiled."""
 
-    def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, zero: int | None = None):
+    def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, zero: int | None = None,
+                 trace: str | None = None, profile: str | None = None):
         if zero is not None and zero not in LEVELS:
             raise ArgumentError(f"--piper-zero {zero}: the level is one of {', '.join(map(str, LEVELS))}")
+        if profile is not None:
+            try:
+                cost_model(profile)
+            except ValueError as exc:
+                raise ArgumentError(f"--piper-profile: {exc}") from None
         self.recipe, self.timeout_s, self.zero = recipe, timeout_s, zero
+        self.trace, self.profile = trace, profile
         self._cached: tuple[tuple, _Engine] | None = None
 
     def prepare(self, *, model, num_microbatches: int, seq_length: int, micro_batch_size: int,
@@ -87,8 +100,16 @@ class PiperForwardBackward:
                 raise ArgumentError("--piper-zero: the plan's shards were built for other chunks, microbatch "
                                     "count or sequence shape; make one forward-backward function per model and "
                                     "batch layout")
-            self._cached = (key, _Engine(chunks, num_microbatches, micro_batch_size, shape, config,
-                                         self.recipe, self.timeout_s, pg_collection, self.zero))
+            engine = _Engine(chunks, num_microbatches, micro_batch_size, shape, config, self.recipe, self.timeout_s,
+                             pg_collection, self.zero)
+            if self.profile is not None and dist.get_rank() == 0:
+                predicted = simulate(engine.plan, cost_model(self.profile))
+                print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) predicted with cost profile "
+                      f"{self.profile}: step {predicted.step_time * 1e3:.1f} ms, bubble "
+                      f"{predicted.bubble_fraction:.3f}", flush=True)
+            if self.trace is not None:
+                engine.trace = StepTrace(self.trace, engine.plan, engine.plan_rank, dist.get_rank())
+            self._cached = (key, engine)
         return self._cached[1]
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
@@ -194,6 +215,7 @@ class _Engine:
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
         self._reduce_after = _last_backwards(plan, plan_rank)
         self._no_sync: dict[int, Any] = {}
+        self.plan_rank, self.trace = plan_rank, None  # ``trace``: a StepTrace when asked for
         self.executor = Executor(plan, program, plan_rank, LocalChunks(self.stages), None, specs=specs,
                                  optimizer_fn=None, after_task=self._after,
                                  config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
@@ -247,7 +269,10 @@ class _Engine:
                     self.executor.eval(inputs)
                 return self._reported(run)
             self._disable_sync()
+            started = time.perf_counter()
             self.executor.step(microbatches=inputs, compute_context=self._context)
+            if self.trace is not None:
+                self.trace.record(self.executor.runner.timeline, time.perf_counter() - started)
             for stage in sorted(self._no_sync):  # chunks with no backward on this rank (none in a pipeline)
                 self._enable_sync(stage)
             if self.config.grad_sync_func is not None:

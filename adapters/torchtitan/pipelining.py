@@ -20,7 +20,9 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.tools.logging import logger
 
-from piper_plugin import DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, recipes
+from piper_plugin import (
+    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, cost_model, recipes, simulate,
+)
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
 from piper_plugin.adapters.torchtitan.flags import FlagError, one_line_errors
@@ -206,6 +208,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     logger.info(f"Piper: recipe {label}, {num_stages} stages on {pp} ranks{sharded}{replicas}, {microbatches} "
                 f"microbatches, plan {plan.hash()}, simulated bubble {result.bubble_fraction:.3f}")
     logger.info(simulated_memory_line(dist.get_rank(), plan_rank, result))
+    if getattr(options, "profile", None):
+        logger.info(_predicted_line(plan, options.profile))
     if compiled:
         logger.info("Piper: --compile.enable compiles the model's blocks: each compiled backward yields input and "
                     "weight gradients in one call, so every backward runs as one pass (the plan times each "
@@ -223,6 +227,17 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                                   training=training, device=device, loss_fn=loss_fn)
         schedule = AlternatingSchedule(baseline, schedule)
     return schedule, [model_parts[s] for s in local], 0 in model_parts, num_stages - 1 in model_parts
+
+
+def _predicted_line(plan, profile: str) -> str:
+    """``--piper.profile``: the plan's step and bubble as the cost profile predicts them."""
+    try:
+        cost = cost_model(profile)
+    except ValueError as exc:
+        raise FlagError(f"--piper.profile: {exc}") from None
+    predicted = simulate(plan, cost)
+    return (f"Piper: predicted with cost profile {profile}: step {predicted.step_time * 1e3:.1f} ms, "
+            f"bubble {predicted.bubble_fraction:.3f}")
 
 
 def _hidden_dtype(parts: dict[int, nn.Module], training, param_dtype: torch.dtype) -> torch.dtype:

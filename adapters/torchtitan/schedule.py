@@ -14,15 +14,13 @@ backward, nothing to schedule.
 """
 from __future__ import annotations
 
-import json
-import pickle
-from pathlib import Path
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from piper_plugin import Executor, ExecutorConfig, ValueSpec, overlap_blocks
+from piper_plugin import Executor, ExecutorConfig, StepTrace, ValueSpec
 
 from piper_plugin.adapters.torchtitan.program import LocalStages, StageProgram
 from piper_plugin.adapters.torchtitan.fsdp_sync import fsdp_roots, hold_gradients, reduce_gradients
@@ -59,8 +57,8 @@ class PiperPipelineSchedule:
                                      experts_sharded=experts_sharded)
         self._executor: Executor | None = None
         self._paused: list = []
-        self.trace_dir, self._steps = trace_dir, 0
-        self._blocks: list | None = None  # this rank's overlap blocks, for the trace (fixed by the plan)
+        self.trace_dir = trace_dir
+        self._trace: StepTrace | None = None  # ``--piper.trace``: made at the first step
         self._spmd_context = None
         # TorchTitan wraps every part in FSDP2: a stage's gradients are reduced once per step,
         # right after its last backward task on this rank (inside the cool-down's idle time).
@@ -126,28 +124,15 @@ class PiperPipelineSchedule:
         for roots in self._fsdp.values():
             hold_gradients(roots)
         # every local stage reduces its gradients after its last backward (``_after``)
+        started = time.perf_counter()
         out = executor.step(microbatches=inputs, compute_context=self._spmd_context)
-        self._steps += 1
         if self.trace_dir:
-            self._write_trace(executor)
+            if self._trace is None:
+                self._trace = StepTrace(self.trace_dir, self.plan, self.rank, dist.get_rank())
+            self._trace.record(executor.runner.timeline, time.perf_counter() - started)
         if losses is not None and self.has_last_stage:
             losses.extend(out)
         return None
-
-    def _write_trace(self, executor: Executor) -> None:
-        """``--piper.trace``: this rank's measured timeline of the step that just ran, with its
-        overlap blocks (:func:`~piper_plugin.overlap_blocks`); process rank 0 also writes the
-        plan once (``plan.pkl``, for simulating it beside the measurement)."""
-        folder = Path(self.trace_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        timeline = [[stream, key, start, end] for stream, key, start, end in executor.runner.timeline]
-        if self._blocks is None:  # the first traced step: what the plan fixes, once
-            self._blocks = overlap_blocks(self.plan, self.rank)
-            if dist.get_rank() == 0:
-                with open(folder / "plan.pkl", "wb") as f:
-                    pickle.dump(self.plan, f)
-        (folder / f"rank{dist.get_rank()}.json").write_text(json.dumps(
-            {"plan_rank": self.rank, "step": self._steps, "timeline": timeline, "blocks": self._blocks}))
 
     def eval(self, *args, target=None, losses: list | None = None, arg_mbs=None, kwarg_mbs=None,
              target_mbs=None, **kwargs):

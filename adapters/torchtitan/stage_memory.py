@@ -1,4 +1,5 @@
-"""What a TorchTitan stage keeps for its backward and what its backward allocates, measured.
+"""What a TorchTitan stage keeps for its backward, what its backward allocates and its forward's
+matrix-product FLOPs, measured.
 
 A stage program's regions are modules, not traced graphs, so the compiler has only an estimate
 of their activations. Here every stage runs on fake tensors of the plan's batch
@@ -48,7 +49,7 @@ def measure_stage_memory(program: StageProgram, parts: Sequence[nn.Module], loss
     try:
         measured = region_memory(program, LocalStages(dict(enumerate(copies))), loss_fn, inputs, split=split,
                                  measure=mine)
-        found: Any = {name: (m.saved, m.backward) for name, m in measured.items()}
+        found: Any = {name: (m.saved, m.backward, m.matmul_flops) for name, m in measured.items()}
     except Exception as exc:  # noqa: BLE001 - an op fake tensors cannot run: keep the estimate
         frames = traceback.extract_tb(exc.__traceback__)  # the innermost outside torch itself
         where = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), frames[-1])
@@ -67,9 +68,13 @@ def measure_stage_memory(program: StageProgram, parts: Sequence[nn.Module], loss
 
 
 def apply_stage_memory(program: StageProgram, measured: dict[str, Any]) -> None:
-    """Set each measured region's ``activation_bytes`` and ``backward``; a stage run as pieces
-    (:mod:`.pieces`) gets its whole stage's figures on its first piece (an estimate)."""
-    for name, (saved, backward) in measured.items():
+    """Set each measured region's ``activation_bytes``, ``backward`` and ``matmul_flops``; a stage
+    run as pieces (:mod:`.pieces`) gets its whole stage's memory on its first piece and its FLOPs
+    split evenly over the pieces (estimates)."""
+    for name, (saved, backward, flops) in measured.items():
+        pieces = [r for n, r in program.regions.items() if n.startswith(f"{name}.")]
         region = program.regions.get(name) or program.regions[f"{name}.0"]
         region.activation_bytes = saved
         region.backward = backward
+        for piece in pieces or [region]:
+            piece.matmul_flops = flops // max(len(pieces), 1)

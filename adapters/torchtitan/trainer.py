@@ -53,9 +53,14 @@ class PiperOptions:
     gathered, laid out and reduced on its own, so the transient copies stay one bucket."""
 
     trace: str | None = None
-    """Directory where every process writes the measured timeline of its latest step after each
-    step (``rank<process rank>.json``: its plan rank, the step, and ``[stream, task, start s,
-    end s]`` per task of the Piper plan)."""
+    """Directory where every process writes, after each step, the measured timeline of its latest
+    step and the wall time of every step so far (``rank<process rank>.json``; process rank 0 also
+    writes the plan, ``plan.pkl``): :class:`piper_plugin.StepTrace`'s layout, what ``piper
+    calibrate --host torchtitan`` reads."""
+
+    profile: str | None = None
+    """A cost profile (``piper calibrate``, best ``--host torchtitan`` on this config): the log
+    then states the plan's step time and bubble as the profile predicts them."""
 
     memory_split: bool = False
     """Log, after every step, the parameters, gradients and optimizer state each rank keeps

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.node import map_arg
+from torch.utils.flop_counter import FlopCounterMode
 
 from piper_plugin.ir.graph import BackwardBytes, Rise
 from piper_plugin.autograd.split_backward import backward_input
@@ -37,10 +38,13 @@ __all__ = ["RegionMemory", "fake_copy", "region_memory", "saved_activation_bytes
 
 @dataclass(frozen=True)
 class RegionMemory:
-    """One region's memory for the batch it ran on: saved activations, backward working memory."""
+    """One region's memory for the batch it ran on: saved activations, backward working memory;
+    with them the forward's matrix-product FLOPs as torch's flop counter counts them (what
+    :attr:`~piper_plugin.Region.matmul_flops` holds, for a region a host cut itself)."""
 
     saved: int
     backward: BackwardBytes
+    matmul_flops: int = 0
 
 
 def fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device | str = "cpu") -> nn.Module:
@@ -123,13 +127,14 @@ def _region_memory(program, model: nn.Module, loss_fn: Callable, inputs: Sequenc
                 result[name] = measured[key]
                 continue
             tracker = WorkingMemory(record=True)
-            outs, saved = _forward(chunk, args, tracker)
+            with FlopCounterMode(display=False) as counter:
+                outs, saved = _forward(chunk, args, tracker)
             keep(outs)
             weights = [p for p in chunk.parameters() if p.requires_grad] if region.params else []
             full = _whole_backward(tracker, outs, weights)
             del args, outs
             backward = _split_backward(forward, full, weights) if split else BackwardBytes(full=full)
-            result[name] = measured[key] = RegionMemory(saved, backward)
+            result[name] = measured[key] = RegionMemory(saved, backward, counter.get_total_flops())
     return result
 
 

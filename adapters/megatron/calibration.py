@@ -1,0 +1,62 @@
+"""``piper calibrate --host megatron -- <pretrain_gpt arguments>``: the calibration jobs as runs of
+the adapter's Megatron-style entry (:mod:`piper_plugin.calibrate_host`'s host contract).
+
+A job is the user's arguments with ``--pipeline-engine=piper``, a recipe of the model's stage
+layout (no virtual pipeline: 1F1B and ZB-H1, whose split backward measures BI and BW; a virtual
+size of 2: interleaved 1F1B, and DualPipeV where the embeddings are untied), ``--micro-batch-size`` giving the microbatch count
+per pipeline, ``--train-iters`` and ``--piper-trace`` set. A user argument the jobs set
+themselves is refused, naming it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from piper_plugin import UsageError
+
+__all__ = ["program", "calibration_jobs", "job_argv", "SET_BY_CALIBRATION"]
+
+program = "piper_plugin.adapters.megatron.pretrain_gpt"
+SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--save", "--load")
+
+
+def _checked(argv: Sequence[str], nproc: int):
+    from piper_plugin.adapters.megatron.arguments import parse_args
+
+    args = list(argv)
+    for flag in SET_BY_CALIBRATION:
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            raise UsageError(f"{flag}: piper calibrate sets it for each of its jobs (or runs without it); leave it out")
+    if not any(a == "--global-batch-size" or a.startswith("--global-batch-size=") for a in args):
+        raise UsageError("--global-batch-size is missing: the calibration splits it into microbatches of several "
+                         "sizes; pass it")
+    # the jobs set the microbatch size and iterations: any valid value checks the rest
+    parsed = parse_args([*args, "--pipeline-engine", "piper", "--micro-batch-size", "1", "--train-iters", "1"], nproc)
+    return args, parsed
+
+
+def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int]]:
+    """(recipe, microbatches) pairs: two recipes of the model's stage layout at the smallest, a
+    middle and the largest microbatch count the batch per pipeline allows (the split-backward
+    recipe at the middle and largest)."""
+    _, parsed = _checked(argv, nproc)
+    vpp = parsed.virtual_pipeline_model_parallel_size
+    if vpp not in (None, 2):
+        raise UsageError(f"--virtual-pipeline-model-parallel-size {vpp}: the calibration's recipes take 1 or 2 "
+                         f"model chunks per rank; calibrate with 2 (or none)")
+    plain, split = ("1f1b", "zb-h1") if vpp is None else ("interleaved-1f1b", "dualpipev")
+    if vpp is not None and not parsed.untie_embeddings_and_output_weights:
+        split = None  # DualPipeV's V needs untied embeddings: no split backward measured (BI, BW: half of B)
+    batch = parsed.global_batch_size // parsed.data_parallel_size
+    counts = [m for m in range(1, batch + 1) if batch % m == 0]
+    low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
+    jobs = [(plain, low), (plain, mid), (plain, high)] + ([(split, mid), (split, high)] if split else [])
+    return list(dict.fromkeys(jobs))
+
+
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, steps: int,
+             trace: str) -> list[str]:
+    """pretrain_gpt's arguments for one calibration job (the user's, then the job's: the last wins)."""
+    args, parsed = _checked(argv, nproc)
+    batch = parsed.global_batch_size // parsed.data_parallel_size
+    return [*args, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
+            str(batch // microbatches), "--train-iters", str(steps), "--piper-trace", trace]

@@ -1,0 +1,77 @@
+"""``piper calibrate --host torchtitan -- <torchtitan.train flags>``: the calibration jobs as
+TorchTitan runs of the user's config (:mod:`piper_plugin.calibrate_host`'s host contract).
+
+A job is the user's command with ``--parallelism.pipeline_engine=piper``, a recipe of the
+config's stage layout (one stage per rank: 1F1B and ZB-H1, whose split backward measures BI
+and BW; several: interleaved 1F1B and DualPipeV), ``--parallelism.pipeline_parallel_microbatch_size``
+giving the microbatch count, ``--training.steps`` and ``--piper.trace`` set; every other flag
+is the user's. A user flag the jobs set themselves is refused, naming it.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from piper_plugin import UsageError
+
+from piper_plugin.adapters.torchtitan.ray_launch import titan_argv
+
+__all__ = ["program", "calibration_jobs", "job_argv", "SET_BY_CALIBRATION"]
+
+program = "torchtitan.train"
+SET_BY_CALIBRATION = ("--piper.recipe", "--parallelism.pipeline_parallel_microbatch_size", "--training.steps",
+                      "--piper.trace", "--dump_folder")
+_SINGLE = ("1f1b", "zb-h1")  # one stage per pipeline rank
+_MULTI = ("interleaved-1f1b", "dualpipev")  # two per rank
+
+
+def _spellings(flag: str) -> tuple[str, ...]:
+    return (flag, flag.replace("_", "-"))
+
+
+def _checked(argv: Sequence[str]) -> list[str]:
+    """torchtitan.train's argv for the user's flags (``--module`` added), refusing the ones the
+    jobs set and an engine other than Piper's."""
+    args = titan_argv(["--", *argv])
+    for flag in SET_BY_CALIBRATION:
+        for spelling in _spellings(flag):
+            if any(a == spelling or a.startswith(spelling + "=") for a in args):
+                raise UsageError(f"{spelling}: piper calibrate sets it for each of its jobs; leave it out")
+    for a in args:
+        if a.startswith(_spellings("--parallelism.pipeline_engine")) and not a.endswith("piper") and "=" in a:
+            raise UsageError(f"{a}: the calibration measures Piper's engine; leave the flag out")
+    return args
+
+
+def _config(args: list[str]):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(args)
+
+
+def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int]]:
+    """(recipe, microbatches) pairs: two recipes of the config's stage layout at the smallest,
+    a middle and the largest microbatch count its local batch allows (the split-backward recipe
+    at the middle and largest)."""
+    from piper_plugin.adapters.torchtitan.pipelining import recipe_for
+
+    config = _config(_checked(argv))
+    plain, split = _MULTI if recipe_for(config.parallelism.pipeline_parallel_schedule) in _MULTI else _SINGLE
+    batch = config.training.local_batch_size
+    counts = [m for m in range(1, batch + 1) if batch % m == 0]
+    low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
+    jobs = [(plain, low), (plain, mid), (plain, high), (split, mid), (split, high)]
+    return list(dict.fromkeys(jobs))
+
+
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, steps: int, trace: str) -> list[str]:
+    """torchtitan.train's arguments for one calibration job: the calibration's flags first (a
+    tyro subcommand among the user's flags scopes what follows it), then the user's."""
+    args = _checked(argv)
+    config = _config(args)
+    module, rest = args[:2], args[2:]  # titan_argv puts --module first
+    mine = ["--parallelism.pipeline_engine=piper", "--piper.recipe", recipe,
+            "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches),
+            "--training.steps", str(steps), "--piper.trace", trace, "--dump_folder", f"{trace}_dump"]
+    if module[0] != "--module":
+        return [*mine, *args]
+    return [*module, *mine, *rest]

@@ -1,0 +1,157 @@
+"""Does a cost profile measured through a host adapter predict that host's steps, schedule by schedule?
+
+Per host (TorchTitan: ``llama3_debugmodel``'s 2-stage pipeline drop-in; Megatron: the
+``pretrain_gpt`` entry's GPT, 8 layers, hidden 256, seq 128, global batch 16), each round:
+
+1. ``piper calibrate --host <host> -- <the host's command>``: its jobs (1F1B at three microbatch
+   counts, ZB-H1 at two) run the host's own trainer under torchrun with a step trace;
+2. every schedule of the table runs as a user runs it (torchrun, the host's entry, Piper's
+   engine), with ``--piper.profile`` / ``--piper-profile`` (the log line with the profile's
+   prediction of that plan's step) and a step trace (the measured step: per step the slowest
+   process's executor time, median over the steps after ``--warmup``).
+
+Reported: per schedule the predicted / measured ratio per round and its median; which schedules
+the calibration ran (a recipe and microbatch count among its jobs; the rest it never saw: other
+recipes, microbatch counts or stage counts). Memory is not
+compared here: the hosts' logs give whole-process memory, not the plan's.
+
+    python -m benchmarks.host_predict                              # the published table
+    python -m benchmarks.host_predict --hosts megatron --rounds 1  # a smaller run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+if __package__ in (None, ""):  # run as a file: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import code_version, command_line, machine_line, markdown_table, median, write_result
+from piper_plugin import read_step_traces
+
+__all__ = ["main", "build_parser", "HOSTS"]
+
+_TT = ["--config", "llama3_debugmodel_pp2_1f1b"]
+_MEG = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidden-size", "256", "--num-attention-heads",
+        "8", "--seq-length", "128", "--global-batch-size", "16", "--lr", "1e-4", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+_V = ["--virtual-pipeline-model-parallel-size", "2"]
+# host -> (program, calibration arguments, schedule -> the arguments of its run)
+HOSTS: dict[str, tuple[str, list[str], dict[str, list[str]]]] = {
+    "torchtitan": ("torchtitan.train", _TT, {
+        "1f1b m=4": _TT,
+        "zb-h1 m=4": [*_TT, "--piper.recipe", "zb-h1"],
+        "gpipe m=4": [*_TT, "--piper.recipe", "gpipe"],
+        "gpipe m=2": [*_TT, "--piper.recipe", "gpipe", "--parallelism.pipeline_parallel_microbatch_size", "2"],
+        "interleaved-1f1b v=2 m=4": ["--config", "llama3_debugmodel_pp2_interleaved"],
+        "dualpipev v=2 m=4": ["--config", "llama3_debugmodel_pp2_dualpipev"],
+    }),
+    "megatron": ("piper_plugin.adapters.megatron.pretrain_gpt", _MEG, {
+        "1f1b m=4": [*_MEG, "--micro-batch-size", "4"],
+        "1f1b m=8": [*_MEG, "--micro-batch-size", "2"],
+        "zb-h1 m=8": [*_MEG, "--micro-batch-size", "2", "--piper-recipe", "zb-h1"],
+        "gpipe m=8": [*_MEG, "--micro-batch-size", "2", "--piper-recipe", "gpipe"],
+        "interleaved-1f1b v=2 m=8": [*_MEG, "--micro-batch-size", "2", *_V],
+        "dualpipev v=2 m=8 (untied embeddings)": [*_MEG, "--micro-batch-size", "2", *_V, "--piper-recipe",
+                                                  "dualpipev", "--untie-embeddings-and-output-weights"],
+    }),
+}
+PREDICTED = re.compile(r"predicted with cost profile \S+: step ([\d.]+) ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_predict", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", nargs="+", choices=list(HOSTS), default=list(HOSTS))
+    parser.add_argument("--schedules", nargs="+", metavar="NAME",
+                        help="only these rows (names as in the table; default: every one)")
+    parser.add_argument("--steps", type=int, default=10, help="steps of each run (calibration jobs: --calibrate-steps)")
+    parser.add_argument("--calibrate-steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of each run's median")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="results file (default: benchmarks/results/host_predict.md)")
+    return parser
+
+
+def _run_args(host: str, argv: list[str], steps: int, trace: Path, profile: Path) -> list[str]:
+    if host == "torchtitan":
+        return ["--module", "piper_plugin.adapters.torchtitan", *argv, "--parallelism.pipeline_engine=piper",
+                "--training.steps", str(steps), "--piper.trace", str(trace), "--piper.profile", str(profile),
+                "--dump_folder", f"{trace}_dump"]
+    return [*argv, "--pipeline-engine", "piper", "--train-iters", str(steps), "--piper-trace", str(trace),
+            "--piper-profile", str(profile)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from piper_plugin.calibrate_host import run_host_job
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    code_version()
+    work = Path(tempfile.mkdtemp(prefix="host_predict_"))
+    sections = []
+    for host in args.hosts:
+        program, base, schedules = HOSTS[host]
+        names = [n for n in schedules if not args.schedules or n in args.schedules]
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        measured: dict[str, list[float]] = {n: [] for n in names}
+        calibration, calibrated = "", set()
+        for round_ in range(args.rounds):
+            profile = work / f"{host}_{round_}.json"
+            cal = subprocess.run([sys.executable, "-m", "piper_plugin.cli", "calibrate", "--host", host, "--steps",
+                                  str(args.calibrate_steps), "--out", str(profile), "--", *base],
+                                 capture_output=True, text=True)
+            if cal.returncode != 0:
+                print(cal.stdout + cal.stderr, file=sys.stderr)
+                return 1
+            calibration = "\n".join(line for line in cal.stdout.splitlines() if line.startswith("calibrate"))
+            calibrated = {job["job"] for job in json.loads(profile.read_text())["jobs"]}
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in order:
+                trace = work / f"{host}_{round_}_{names.index(name)}"
+                run_argv = _run_args(host, schedules[name], args.steps, trace, profile)
+                code, log = run_host_job(program, run_argv, 2, work)
+                found = PREDICTED.search(log)
+                if code != 0 or found is None:
+                    print(f"{host} {name} failed (exit status {code}):\n{log[-3000:]}", file=sys.stderr)
+                    return 1
+                step = read_step_traces(trace).median_step(args.warmup)
+                measured[name].append(step)
+                ratios[name].append(float(found[1]) / 1e3 / step)
+                print(f"round {round_ + 1}: {host} {name}: measured {step * 1e3:.1f} ms, predicted / measured "
+                      f"{ratios[name][-1]:.2f}", flush=True)
+        rows = [(name, "yes" if " ".join(name.split()[:2]) in calibrated else "no",
+                 f"{median(measured[name]) * 1e3:.1f}", " ".join(f"{r:.2f}" for r in ratios[name]),
+                 f"**{median(ratios[name]):.2f}**") for name in names]
+        worst = max(abs(median(ratios[n]) - 1) for n in names)
+        sections += [f"## {host}", "", f"Calibrated on: `piper calibrate --host {host} --steps {args.calibrate_steps} "
+                     f"-- {' '.join(base)}`", "",
+                     markdown_table(("schedule", "a calibration job's", "measured step (ms, median)",
+                                     "predicted / measured per round", "median"), rows), "",
+                     f"Every schedule's median within {worst:.0%}.", "",
+                     "The last round's calibration:", "", "```", calibration, "```", ""]
+    text = "\n".join([
+        "# Host cost profiles: predicted against measured steps",
+        "",
+        f"Command: `{command_line('host_predict', args, parser)}`",
+        "",
+        f"Machine: {machine_line(ranks='2 ranks under torchrun, one job at a time')}",
+        "",
+        f"Each run: {args.steps} steps, the median of steps {args.warmup + 1}-{args.steps} of the slowest process "
+        f"(its executor's step); {args.rounds} rounds, each calibrated just before its runs, the order rotated.",
+        "",
+        *sections,
+    ])
+    path = write_result(args.out, "host_predict.md", text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""``piper calibrate --host NAME -- <the host's arguments>``: a cost profile of a host framework's
+model, measured through its adapter.
+
+A host adapter registers a module in the ``piper_plugin.calibration`` entry-point group (setup.py;
+TorchTitan's and Megatron's do) with:
+
+- ``program``: the module its ranks run (``python -m torch.distributed.run ... -m <program>``);
+- ``calibration_jobs(argv, nproc)``: the ``(recipe, microbatches)`` pairs that fit the user's
+  command (recipes with the stage layout of its schedule, one of them splitting the backward;
+  microbatch counts that divide its batch), checking ``argv`` first (a UsageError names the flag);
+- ``job_argv(argv, nproc, *, recipe, microbatches, steps, trace)``: the user's arguments with the Piper
+  engine, that recipe and microbatch count, ``steps`` steps and a step trace into ``trace``
+  (:class:`~piper_plugin.StepTrace`).
+
+Each job runs as the user would run it (torchrun, gloo, 1 torch thread per rank); its trace
+gives the plan, every task's span and each step's seconds, which the toy calibration's fit
+(:func:`piper_plugin.calibrate.fit_profile`) turns into the same profile. Invariant: the profile
+names the host and arguments it was measured on; the adapters' ``--piper.profile`` /
+``--piper-profile`` print what it predicts for a plan of that model.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from piper_plugin.cli_args import UsageError
+
+__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job"]
+
+CALIBRATION_HOSTS = "piper_plugin.calibration"  # entry-point group: host name -> its calibration module
+JOB_TIMEOUT_S = 900.0
+
+
+def calibration_hosts() -> dict:
+    """Host name -> entry point of its calibration module (loaded only when chosen)."""
+    return {e.name: e for e in entry_points(group=CALIBRATION_HOSTS)}
+
+
+def _host_module(name: str):
+    hosts = calibration_hosts()
+    if name not in hosts:
+        raise UsageError(f"--host {name!r}: no adapter registered a calibration for it; the hosts are "
+                         f"{', '.join(sorted(hosts)) or 'none (install piper_plugin with its adapters)'}")
+    return hosts[name].load()
+
+
+def run_host_job(program: str, argv: Sequence[str], nproc: int, cwd: Path,
+                 timeout_s: float = JOB_TIMEOUT_S) -> tuple[int, str]:
+    """``torchrun --standalone --nproc_per_node=nproc -m program argv`` in ``cwd``, 1 torch thread
+    per rank: (exit status, its output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", program, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or b""
+        return 124, (out.decode() if isinstance(out, bytes) else out) + f"\ntimed out after {timeout_s:.0f} s"
+
+
+def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8, workdir: str | Path | None = None,
+                   say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``host``'s calibration jobs for the command ``argv`` on ``nproc`` ranks (``steps``
+    each, the first :data:`~piper_plugin.calibrate.WARMUP_STEPS` left out), time messages between
+    two forked ranks, fit; the profile. A job that fails is reported and left out; none
+    succeeding raises a RuntimeError with the first failure's output."""
+    from piper_plugin.calibrate import WARMUP_STEPS, fit_profile, measure_messages, task_samples
+    from piper_plugin.step_trace import read_step_traces
+
+    if steps <= WARMUP_STEPS:
+        raise UsageError(f"--steps {steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
+    if nproc < 2:
+        raise UsageError(f"--nproc {nproc}: calibrating messages needs 2 ranks or more")
+    module = _host_module(host)
+    jobs = module.calibration_jobs(list(argv), nproc)
+    cpus = os.cpu_count() or nproc
+    shared = cpus if nproc > cpus else None
+    samples: list = []
+    steps_measured: list[tuple[str, Any, float]] = []
+    failures: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
+        for recipe, m in jobs:
+            name = f"{recipe} m={m}"
+            trace = Path(tmp) / f"{recipe}_m{m}"
+            job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, steps=steps, trace=str(trace))
+            started = time.monotonic()
+            code, log = run_host_job(module.program, job, nproc, Path(tmp))
+            if code != 0:
+                failures.append((name, f"exit status {code}: {shlex.join(job)}\n" + "\n".join(log.splitlines()[-30:])))
+                say(f"calibrate  {name}: failed (exit status {code}), left out")
+                continue
+            traced = read_step_traces(trace)
+            plan = traced.plan
+            steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
+            samples += task_samples(plan, traced.timelines, shared)
+            say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
+                f"{steps_measured[-1][2] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s")
+    if not steps_measured:
+        raise RuntimeError(f"no calibration job of --host {host} ran; the first:\n{failures[0][1]}" if failures
+                           else f"--host {host} proposed no calibration job for these arguments")
+    messages = measure_messages(nproc)
+    profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    return {"model": f"{host}: {shlex.join(argv)}", "host": host, "host_args": list(argv), "ranks": nproc,
+            **profile, "failed_jobs": [name for name, _ in failures]}

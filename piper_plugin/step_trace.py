@@ -1,0 +1,84 @@
+"""A host trainer's Piper steps written as they run, read back beside the simulator.
+
+The host adapters write one (``--piper.trace DIR`` under TorchTitan, ``--piper-trace DIR`` under
+Megatron); ``piper calibrate --host`` reads them. The folder holds:
+
+- ``plan.pkl``: the plan (written once, by process rank 0);
+- ``rank<process rank>.json``, rewritten after every step: ``plan_rank``, ``step`` (steps so
+  far), ``timeline`` (``[stream, task, start s, end s]`` of the latest step), ``blocks`` (the
+  plan rank's overlap blocks, :func:`~piper_plugin.overlap_blocks`) and ``step_seconds`` (the
+  wall time of every step so far).
+
+Invariants: a step's seconds are this process's wall time in the plan's executor (the pipeline
+step: no optimizer, no data loading); every process of a step writes the same ``step``; start
+and end times are ``time.perf_counter`` seconds, one clock for every process of a machine.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StepTrace", "TracedSteps", "read_step_traces"]
+
+
+class StepTrace:
+    """Writes one process's trace into ``folder`` (see the module's layout)."""
+
+    def __init__(self, folder: str | Path, plan, plan_rank: int, process_rank: int):
+        from piper_plugin.overlap_report import overlap_blocks
+
+        self.folder, self.plan_rank, self.process_rank = Path(folder), plan_rank, process_rank
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.blocks = overlap_blocks(plan, plan_rank)
+        self.step_seconds: list[float] = []
+        if process_rank == 0:
+            with open(self.folder / "plan.pkl", "wb") as f:
+                pickle.dump(plan, f)
+
+    def record(self, timeline: list, seconds: float) -> None:
+        """After a step: its measured timeline (``(stream, task, start, end)`` entries) and wall time."""
+        self.step_seconds.append(float(seconds))
+        entries = [[stream, key, start, end] for stream, key, start, end in timeline]
+        (self.folder / f"rank{self.process_rank}.json").write_text(json.dumps(
+            {"plan_rank": self.plan_rank, "step": len(self.step_seconds), "timeline": entries,
+             "blocks": self.blocks, "step_seconds": self.step_seconds}))
+
+
+@dataclass
+class TracedSteps:
+    """What a trace folder holds: the plan, each plan rank's latest timeline (its first process's,
+    where data-parallel replicas share a plan rank), and per step the slowest process's seconds."""
+
+    plan: Any
+    timelines: dict[int, list[tuple[str, str, float, float]]]
+    step_seconds: list[float]
+
+    def median_step(self, skip: int) -> float:
+        """The median step after the first ``skip`` (warm-up)."""
+        if len(self.step_seconds) <= skip:
+            raise ValueError(f"the trace has {len(self.step_seconds)} steps, not more than the {skip} left out")
+        return statistics.median(self.step_seconds[skip:])
+
+
+def read_step_traces(folder: str | Path) -> TracedSteps:
+    """The trace in ``folder``; a ValueError names what is missing (no plan, no rank, ranks that
+    stopped at different steps)."""
+    folder = Path(folder)
+    if not (folder / "plan.pkl").exists():
+        raise ValueError(f"{folder}: no plan.pkl; is it a folder that --piper.trace / --piper-trace wrote?")
+    with open(folder / "plan.pkl", "rb") as f:
+        plan = pickle.load(f)
+    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    if not ranks:
+        raise ValueError(f"{folder}: no rank<N>.json: no step finished")
+    if len({r["step"] for r in ranks}) > 1:
+        raise ValueError(f"{folder}: the processes stopped at steps {sorted({r['step'] for r in ranks})}")
+    timelines: dict[int, list] = {}
+    for r in ranks:
+        timelines.setdefault(r["plan_rank"], [tuple(e) for e in r["timeline"]])
+    steps = [max(r["step_seconds"][i] for r in ranks) for i in range(ranks[0]["step"])]
+    return TracedSteps(plan, timelines, steps)

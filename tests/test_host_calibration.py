@@ -1,0 +1,158 @@
+"""``piper calibrate --host``: a cost profile of a TorchTitan config or a Megatron model measured
+through its adapter, from the step traces its jobs write; with it the adapters' ``--piper.profile``
+/ ``--piper-profile`` predict the step of schedules the calibration never ran, against their
+measured steps. Also: the step trace's layout, the FLOPs the host programs carry, and the one-line
+errors of the command."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+import torch
+
+from piper_plugin import StepTrace, capture, compile_program, read_step_traces, recipes
+from piper_plugin.calibrate_host import run_host_job
+from piper_plugin.cli import main
+from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
+
+BOUNDS = (0.75, 1.33)  # predicted / measured step, on a shared 2-core machine
+PREDICTED = re.compile(r"predicted with cost profile \S+: step ([\d.]+) ms")
+
+
+def _piper(capsys, *argv) -> subprocess.CompletedProcess:
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _toy_plan():
+    with torch.device("meta"):
+        model, cfg = TOY_MODELS["toy-lm"](stages=2, layers=2)
+    tokens, targets = lm_batch(cfg, 8)
+    program = capture(model, lm_loss, (tokens,), targets)
+    return compile_program(program, lambda p: recipes.load("1f1b").schedule(
+        p, pp=2, dp=1, ep=1, microbatches=2, zero=0, chunks=1)).plan
+
+
+def test_a_step_trace_reads_back_each_steps_slowest_process(tmp_path):
+    plan = _toy_plan()
+    traces = [StepTrace(tmp_path, plan, plan_rank=r, process_rank=r) for r in (0, 1)]
+    for seconds in ((0.5, 0.7), (0.4, 0.3), (0.2, 0.25)):
+        for trace, s in zip(traces, seconds):
+            trace.record([("compute", f"{trace.plan_rank}F0", 0.0, s)], s)
+    traced = read_step_traces(tmp_path)
+    assert traced.step_seconds == [0.7, 0.4, 0.25]
+    assert traced.median_step(1) == pytest.approx(0.325)
+    assert traced.timelines == {0: [("compute", "0F0", 0.0, 0.2)], 1: [("compute", "1F0", 0.0, 0.25)]}
+    assert traced.plan.hash() == plan.hash()
+    with pytest.raises(ValueError, match="not more than the 3 left out"):
+        traced.median_step(3)
+    traces[0].record([], 0.1)  # one process a step ahead: not one step's trace
+    with pytest.raises(ValueError, match=r"stopped at steps \[3, 4\]"):
+        read_step_traces(tmp_path)
+    with pytest.raises(ValueError, match="no plan.pkl"):
+        read_step_traces(tmp_path / "elsewhere")
+
+
+def test_megatron_stages_carry_flops_and_activations_that_scale_with_their_layers():
+    from piper_plugin.adapters.megatron.program import build_program
+
+    def layer(i: int) -> list:
+        return [(f"decoder.layers.{i}.self_attention.linear_qkv.weight", (192, 64), 0),
+                (f"decoder.layers.{i}.mlp.linear_fc1.weight", (256, 64), 0),
+                (f"decoder.layers.{i}.input_layernorm.weight", (64,), 0)]
+
+    params = {0: [("embedding.word_embeddings.weight", (128, 64), 0), *layer(0)],
+              1: [*layer(1), *layer(2), ("output_layer.weight", (128, 64), 0)]}
+    program = build_program(params, microbatch_size=2, microbatches=2, hidden_shape=(32, 2, 64), dtype=torch.float32)
+    first, last = program.regions["0"], program.regions["1"]
+    tokens = 32 * 4
+    per_layer = 2 * tokens * (192 * 64 + 256 * 64) + 4 * tokens * 32 * 64
+    assert first.matmul_flops == per_layer  # the embedding lookup: none
+    assert last.matmul_flops == 2 * per_layer + 2 * tokens * 128 * 64
+    hidden = 32 * 4 * 64 * 4
+    assert (first.activation_bytes, last.activation_bytes) == (18 * hidden, 35 * hidden)
+
+
+def test_host_calibration_errors_are_one_line(capsys, tmp_path):
+    out = str(tmp_path / "p.json")
+    cases = [
+        (("--host", "nosuch", "--out", out, "--", "--config", "x"), "--host 'nosuch': no adapter registered"),
+        (("--host", "torchtitan", "--out", out), "put the host's training arguments after --"),
+        (("--out", out, "--", "--config", "llama3_debugmodel_pp2_1f1b"), "go after --host NAME --"),
+        (("--host", "torchtitan", "--out", out, "--", "--config", "llama3_debugmodel_pp2_1f1b", "--piper.recipe",
+          "gpipe"), "--piper.recipe: piper calibrate sets it"),
+        (("--host", "torchtitan", "--out", out, "--", "--config", "llama3_debugmdel_pp2_1f1b"), "did you mean"),
+        (("--host", "megatron", "--out", out, "--", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--lr", "1e-3"),
+         "--global-batch-size is missing"),
+        (("--host", "megatron", "--steps", "2", "--out", out, "--", "--num-layers", "4"), "--steps 2"),
+    ]
+    for argv, message in cases:
+        result = _piper(capsys, "calibrate", *argv)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert result.stderr.count("piper: error:") == 1 and message in result.stderr, (argv, result.stderr)
+
+
+def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"host": "torchtitan", "model": "torchtitan: --config x"}))
+    result = _piper(capsys, "plan", "--profile", str(path))
+    assert result.returncode == 2 and "pass it to the host's --piper.profile" in result.stderr
+
+
+def _check_jobs(profile: dict) -> None:
+    assert not profile["failed_jobs"]
+    kinds = {name.split()[0] for name in (j["job"] for j in profile["jobs"])}
+    assert len(kinds) == 2 and {"F", "B", "BI", "BW"} <= set(profile["compute"])
+    for job in profile["jobs"]:
+        ratio = job["predicted_step_s"] / job["measured_step_s"]
+        assert BOUNDS[0] < ratio < BOUNDS[1], job
+
+
+@pytest.mark.slow
+def test_torchtitan_profile_predicts_schedules_it_never_ran(capsys, tmp_path):
+    """Calibrated on llama3_debugmodel_pp2_1f1b's stages (1F1B, ZB-H1), the profile predicts GPipe
+    on the same stages and DualPipeV on four, each measured from its own step trace."""
+    from piper_plugin.adapters.torchtitan.launch import run_titan
+
+    path = tmp_path / "tt.json"
+    result = _piper(capsys, "calibrate", "--host", "torchtitan", "--steps", "5", "--out", str(path), "--",
+                    "--config", "llama3_debugmodel_pp2_1f1b")
+    assert result.returncode == 0, result.stderr
+    profile = json.loads(path.read_text())
+    assert profile["host"] == "torchtitan" and profile["host_args"] == ["--config", "llama3_debugmodel_pp2_1f1b"]
+    _check_jobs(profile)
+    for config in ("llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev"):
+        trace = tmp_path / config
+        run = run_titan(config, "piper", dump_folder=tmp_path / f"{config}_dump", steps=6,
+                        extra=["--piper.trace", str(trace), "--piper.profile", str(path)])
+        assert run.ok, run.tail()
+        predicted = float(PREDICTED.search(run.log)[1]) / 1e3
+        ratio = predicted / read_step_traces(trace).median_step(2)
+        assert BOUNDS[0] < ratio < BOUNDS[1], (config, ratio)
+
+
+MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidden-size", "256",
+            "--num-attention-heads", "8", "--seq-length", "128", "--global-batch-size", "8", "--lr", "1e-4",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.slow
+def test_megatron_profile_predicts_the_interleaved_schedule_it_never_ran(capsys, tmp_path):
+    """Calibrated on 2 stages (1F1B, ZB-H1), the profile predicts interleaved 1F1B on 4."""
+    path = tmp_path / "meg.json"
+    result = _piper(capsys, "calibrate", "--host", "megatron", "--steps", "5", "--out", str(path), "--", *MEGATRON)
+    assert result.returncode == 0, result.stderr
+    _check_jobs(json.loads(path.read_text()))
+    trace = tmp_path / "interleaved"
+    code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
+        *MEGATRON, "--micro-batch-size", "2", "--train-iters", "6", "--pipeline-engine", "piper",
+        "--virtual-pipeline-model-parallel-size", "2", "--piper-trace", str(trace), "--piper-profile", str(path)],
+        2, tmp_path)
+    assert code == 0, log[-3000:]
+    ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
+    assert BOUNDS[0] < ratio < BOUNDS[1], ratio
