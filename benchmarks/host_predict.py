@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,9 +88,18 @@ def _run_args(host: str, argv: list[str], steps: int, trace: Path, profile: Path
             "--piper-profile", str(profile)]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from piper_plugin.calibrate_host import run_host_job
+def _torchrun(program: str, argv: list[str], cwd: Path, timeout_s: float = 900.0) -> tuple[int, str]:
+    """``torchrun --standalone --nproc_per_node=2 -m program argv``, 1 torch thread per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", program, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout_s:.0f} s"
+    return proc.returncode, proc.stdout + proc.stderr
 
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     code_version()
@@ -115,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in order:
                 trace = work / f"{host}_{round_}_{names.index(name)}"
                 run_argv = _run_args(host, schedules[name], args.steps, trace, profile)
-                code, log = run_host_job(program, run_argv, 2, work)
+                code, log = _torchrun(program, run_argv, work)
                 found = PREDICTED.search(log)
                 if code != 0 or found is None:
                     print(f"{host} {name} failed (exit status {code}):\n{log[-3000:]}", file=sys.stderr)
