@@ -4,7 +4,8 @@ Per host (TorchTitan: ``llama3_debugmodel``'s 2-stage pipeline drop-in; Megatron
 ``pretrain_gpt`` entry's GPT, 8 layers, hidden 256, seq 128, global batch 16), each round:
 
 1. ``piper calibrate --host <host> -- <the host's command>``: its jobs (1F1B at three microbatch
-   counts, ZB-H1 at two) run the host's own trainer under torchrun with a step trace;
+   counts, ZB-H1 at two, interleaved 1F1B over two stages per rank at two) run the host's own
+   trainer under torchrun with a step trace;
 2. every schedule of the table runs as a user runs it (torchrun, the host's entry, Piper's
    engine), with ``--piper.profile`` / ``--piper-profile`` (the log line with the profile's
    prediction of that plan's step) and a step trace (the measured step: per step the slowest
@@ -50,16 +51,16 @@ HOSTS: dict[str, tuple[str, list[str], dict[str, list[str]]]] = {
         "zb-h1 m=4": [*_TT, "--piper.recipe", "zb-h1"],
         "gpipe m=4": [*_TT, "--piper.recipe", "gpipe"],
         "gpipe m=2": [*_TT, "--piper.recipe", "gpipe", "--parallelism.pipeline_parallel_microbatch_size", "2"],
-        "interleaved-1f1b v=2 m=4": ["--config", "llama3_debugmodel_pp2_interleaved"],
-        "dualpipev v=2 m=4": ["--config", "llama3_debugmodel_pp2_dualpipev"],
+        "interleaved-1f1b m=4 v=2": ["--config", "llama3_debugmodel_pp2_interleaved"],
+        "dualpipev m=4 v=2": ["--config", "llama3_debugmodel_pp2_dualpipev"],
     }),
     "megatron": ("piper_plugin.adapters.megatron.pretrain_gpt", _MEG, {
         "1f1b m=4": [*_MEG, "--micro-batch-size", "4"],
         "1f1b m=8": [*_MEG, "--micro-batch-size", "2"],
         "zb-h1 m=8": [*_MEG, "--micro-batch-size", "2", "--piper-recipe", "zb-h1"],
         "gpipe m=8": [*_MEG, "--micro-batch-size", "2", "--piper-recipe", "gpipe"],
-        "interleaved-1f1b v=2 m=8": [*_MEG, "--micro-batch-size", "2", *_V],
-        "dualpipev v=2 m=8 (untied embeddings)": [*_MEG, "--micro-batch-size", "2", *_V, "--piper-recipe",
+        "interleaved-1f1b m=8 v=2": [*_MEG, "--micro-batch-size", "2", *_V],
+        "dualpipev m=8 v=2 (untied embeddings)": [*_MEG, "--micro-batch-size", "2", *_V, "--piper-recipe",
                                                   "dualpipev", "--untie-embeddings-and-output-weights"],
     }),
 }
@@ -135,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratios[name].append(float(found[1]) / 1e3 / step)
                 print(f"round {round_ + 1}: {host} {name}: measured {step * 1e3:.1f} ms, predicted / measured "
                       f"{ratios[name][-1]:.2f}", flush=True)
-        rows = [(name, "yes" if " ".join(name.split()[:2]) in calibrated else "no",
+        rows = [(name, "yes" if name.split(" (")[0] in calibrated else "no",
                  f"{median(measured[name]) * 1e3:.1f}", " ".join(f"{r:.2f}" for r in ratios[name]),
                  f"**{median(ratios[name]):.2f}**") for name in names]
         worst = max(abs(median(ratios[n]) - 1) for n in names)

@@ -62,7 +62,7 @@ BENCHES = (
                           "--steps", "3", "--quiet-wait", "0"), what="Piper vs Megatron-Core's schedules"),
     Bench("tune_ab", ("--rounds", "1", "--steps", "6"), what="piper tune's choice vs hand-written recipes"),
     Bench("host_predict", ("--hosts", "megatron", "--rounds", "1", "--steps", "6", "--calibrate-steps", "4",
-                           "--schedules", "1f1b m=8", "interleaved-1f1b v=2 m=8"),
+                           "--schedules", "1f1b m=8", "dualpipev m=8 v=2 (untied embeddings)"),
           what="host cost profiles' predicted vs measured steps"),
     Bench("ep_overlap", ("--rate", "1gbit", "--steps", "3", "--warmup", "1", "--cells", "piper:DualPipeV",
                          "piper:1F1B"), needs="netns", what="EP all-to-all over an emulated link"),

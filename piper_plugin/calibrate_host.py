@@ -5,12 +5,13 @@ A host adapter registers a module in the ``piper_plugin.calibration`` entry-poin
 TorchTitan's and Megatron's do) with:
 
 - ``program``: the module its ranks run (``python -m torch.distributed.run ... -m <program>``);
-- ``calibration_jobs(argv, nproc)``: the ``(recipe, microbatches)`` pairs that fit the user's
-  command (recipes with the stage layout of its schedule, one of them splitting the backward;
-  microbatch counts that divide its batch), checking ``argv`` first (a UsageError names the flag);
-- ``job_argv(argv, nproc, *, recipe, microbatches, steps, trace)``: the user's arguments with the Piper
-  engine, that recipe and microbatch count, ``steps`` steps and a step trace into ``trace``
-  (:class:`~piper_plugin.StepTrace`).
+- ``calibration_jobs(argv, nproc)``: the ``(recipe, microbatches, stages per rank)`` triples that
+  fit the user's command (recipes of its stage layout, one of them splitting the backward, and
+  where the model allows, of another layout, so the regions differ in size; microbatch counts
+  that divide its batch), checking ``argv`` first (a UsageError names the flag);
+- ``job_argv(argv, nproc, *, recipe, microbatches, chunks, steps, trace)``: the user's arguments
+  with the Piper engine, that recipe, microbatch count and stages per rank, ``steps`` steps and a
+  step trace into ``trace`` (:class:`~piper_plugin.StepTrace`).
 
 Each job runs as the user would run it (torchrun, gloo, 1 torch thread per rank); its trace
 gives the plan, every task's span and each step's seconds, which the toy calibration's fit
@@ -87,10 +88,11 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     steps_measured: list[tuple[str, Any, float]] = []
     failures: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
-        for recipe, m in jobs:
-            name = f"{recipe} m={m}"
-            trace = Path(tmp) / f"{recipe}_m{m}"
-            job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, steps=steps, trace=str(trace))
+        for recipe, m, chunks in jobs:
+            name = f"{recipe} m={m}" + (f" v={chunks}" if chunks > 1 else "")
+            trace = Path(tmp) / f"{recipe}_m{m}_v{chunks}"
+            job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, chunks=chunks, steps=steps,
+                                  trace=str(trace))
             started = time.monotonic()
             code, log = run_host_job(module.program, job, nproc, Path(tmp))
             if code != 0:

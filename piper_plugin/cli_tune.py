@@ -108,6 +108,24 @@ def profile_sizes(path: Path) -> dict:
     return {k: data[k] for k in ("model", "layers", "batch", "seq") if k in data}
 
 
+def inside_link_or_rerun(rate: str, again: list[str]) -> int | None:
+    """Inside an emulated link of ``rate``: None (go on). Outside: ``piper <again>`` re-run inside
+    one; its exit status."""
+    from piper_plugin.runtime.launch.emulated_link import (
+        inside_link, link_bits_per_second, python_module_argv, run_in_emulated_link)
+
+    try:
+        link_bits_per_second(rate)
+    except ValueError as exc:
+        raise UsageError(f"--link: {exc}") from None
+    if inside_link() == rate:
+        return None
+    try:
+        return run_in_emulated_link(rate, python_module_argv("piper_plugin.cli", again))
+    except RuntimeError as exc:
+        raise UsageError(f"--link {rate}: {exc}") from None
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     from piper_plugin.calibrate import calibrate
 
@@ -119,21 +137,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.host is not None or host_args:
         return _run_host_calibration(args, host_args)
     if args.link is not None:
-        from piper_plugin.runtime.launch.emulated_link import (
-            inside_link, link_bits_per_second, python_module_argv, run_in_emulated_link)
-
-        try:
-            link_bits_per_second(args.link)
-        except ValueError as exc:
-            raise UsageError(f"--link: {exc}") from None
-        if inside_link() != args.link:
-            again = ["calibrate", "--model", args.model, "--ranks", str(args.ranks), "--layers", str(args.layers),
-                     "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-                     "--link", args.link, "--out", str(args.out.resolve())]
-            try:
-                return run_in_emulated_link(args.link, python_module_argv("piper_plugin.cli", again))
-            except RuntimeError as exc:
-                raise UsageError(f"--link {args.link}: {exc}") from None
+        code = inside_link_or_rerun(args.link, [
+            "calibrate", "--model", args.model, "--ranks", str(args.ranks), "--layers", str(args.layers), "--batch",
+            str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--link", args.link, "--out",
+            str(args.out.resolve())])
+        if code is not None:
+            return code
     if args.steps < 3:
         raise UsageError(f"--steps {args.steps}: a calibration job needs 3 steps or more (its first 2 are left out)")
     check_seq(args.seq)
@@ -160,9 +169,14 @@ def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int
         raise UsageError(f"--host {args.host}: put the host's training arguments after --, e.g. -- --config "
                          f"llama3_debugmodel_pp2_1f1b")
     if args.link is not None:
-        raise UsageError("--link with --host: run the host's calibration inside the link yourself "
-                         "(piper.run_in_emulated_link), or calibrate a toy model with --link")
+        code = inside_link_or_rerun(args.link, [
+            "calibrate", "--host", args.host, "--ranks", str(args.ranks), "--steps", str(args.steps), "--link",
+            args.link, "--out", str(args.out.resolve()), "--", *host_args])
+        if code is not None:
+            return code
     profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps)
+    if args.link is not None:
+        profile["link"] = args.link
     args.out.write_text(json.dumps(profile, indent=1))
     flag = "--piper-profile" if args.host == "megatron" else "--piper.profile"
     print(f"wrote {args.out}: add {flag} {args.out} to the host's command to see each plan's predicted step")

@@ -106,8 +106,9 @@ def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
 
 def _check_jobs(profile: dict) -> None:
     assert not profile["failed_jobs"]
-    kinds = {name.split()[0] for name in (j["job"] for j in profile["jobs"])}
-    assert len(kinds) == 2 and {"F", "B", "BI", "BW"} <= set(profile["compute"])
+    recipes_run = {job["job"].split()[0] for job in profile["jobs"]}
+    assert recipes_run == {"1f1b", "zb-h1", "interleaved-1f1b"} and {"F", "B", "BI", "BW"} <= set(profile["compute"])
+    assert any(job["job"].endswith("v=2") for job in profile["jobs"])  # stages of another size
     for job in profile["jobs"]:
         ratio = job["predicted_step_s"] / job["measured_step_s"]
         assert BOUNDS[0] < ratio < BOUNDS[1], job
@@ -115,8 +116,8 @@ def _check_jobs(profile: dict) -> None:
 
 @pytest.mark.slow
 def test_torchtitan_profile_predicts_schedules_it_never_ran(capsys, tmp_path):
-    """Calibrated on llama3_debugmodel_pp2_1f1b's stages (1F1B, ZB-H1), the profile predicts GPipe
-    on the same stages and DualPipeV on four, each measured from its own step trace."""
+    """Calibrated on llama3_debugmodel_pp2_1f1b (1F1B and ZB-H1 on its 2 stages, interleaved 1F1B on
+    4), the profile predicts GPipe and DualPipeV, each measured from its own step trace."""
     from piper_plugin.adapters.torchtitan.launch import run_titan
 
     path = tmp_path / "tt.json"
@@ -142,16 +143,17 @@ MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidde
 
 
 @pytest.mark.slow
-def test_megatron_profile_predicts_the_interleaved_schedule_it_never_ran(capsys, tmp_path):
-    """Calibrated on 2 stages (1F1B, ZB-H1), the profile predicts interleaved 1F1B on 4."""
+def test_megatron_profile_predicts_dualpipev_it_never_ran(capsys, tmp_path):
+    """Calibrated with 1F1B, ZB-H1 and interleaved 1F1B, the profile predicts DualPipeV's V."""
     path = tmp_path / "meg.json"
     result = _piper(capsys, "calibrate", "--host", "megatron", "--steps", "5", "--out", str(path), "--", *MEGATRON)
     assert result.returncode == 0, result.stderr
     _check_jobs(json.loads(path.read_text()))
-    trace = tmp_path / "interleaved"
+    trace = tmp_path / "dualpipev"
     code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
-        *MEGATRON, "--micro-batch-size", "2", "--train-iters", "6", "--pipeline-engine", "piper",
-        "--virtual-pipeline-model-parallel-size", "2", "--piper-trace", str(trace), "--piper-profile", str(path)],
+        *MEGATRON, "--micro-batch-size", "1", "--train-iters", "6", "--pipeline-engine", "piper",
+        "--virtual-pipeline-model-parallel-size", "2", "--piper-recipe", "dualpipev",
+        "--untie-embeddings-and-output-weights", "--piper-trace", str(trace), "--piper-profile", str(path)],
         2, tmp_path)
     assert code == 0, log[-3000:]
     ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)

@@ -3,7 +3,8 @@ the adapter's Megatron-style entry (:mod:`piper_plugin.calibrate_host`'s host co
 
 A job is the user's arguments with ``--pipeline-engine=piper``, a recipe of the model's stage
 layout (no virtual pipeline: 1F1B and ZB-H1, whose split backward measures BI and BW; a virtual
-size of 2: interleaved 1F1B, and DualPipeV where the embeddings are untied), ``--micro-batch-size`` giving the microbatch count
+size of 2: interleaved 1F1B, and DualPipeV where the embeddings are untied; and, for a model
+without one, interleaved 1F1B over a virtual pipeline of 2 where the layers allow), ``--micro-batch-size`` giving the microbatch count
 per pipeline, ``--train-iters`` and ``--piper-trace`` set. A user argument the jobs set
 themselves is refused, naming it.
 """
@@ -34,29 +35,41 @@ def _checked(argv: Sequence[str], nproc: int):
     return args, parsed
 
 
-def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int]]:
-    """(recipe, microbatches) pairs: two recipes of the model's stage layout at the smallest, a
-    middle and the largest microbatch count the batch per pipeline allows (the split-backward
-    recipe at the middle and largest)."""
+def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, int]]:
+    """(recipe, microbatches, model chunks per rank): at the model's layout, two recipes (the
+    second splits the backward) at the smallest, a middle and the largest microbatch count the
+    batch per pipeline allows (the split one at the middle and largest); without a virtual
+    pipeline, and where the layers split over twice the stages, interleaved 1F1B at the middle
+    and largest count too (stages of other sizes: the fit tells the per-FLOP work from the
+    per-task overhead)."""
     _, parsed = _checked(argv, nproc)
     vpp = parsed.virtual_pipeline_model_parallel_size
     if vpp not in (None, 2):
         raise UsageError(f"--virtual-pipeline-model-parallel-size {vpp}: the calibration's recipes take 1 or 2 "
                          f"model chunks per rank; calibrate with 2 (or none)")
+    own = vpp or 1
     plain, split = ("1f1b", "zb-h1") if vpp is None else ("interleaved-1f1b", "dualpipev")
     if vpp is not None and not parsed.untie_embeddings_and_output_weights:
         split = None  # DualPipeV's V needs untied embeddings: no split backward measured (BI, BW: half of B)
     batch = parsed.global_batch_size // parsed.data_parallel_size
     counts = [m for m in range(1, batch + 1) if batch % m == 0]
     low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
-    jobs = [(plain, low), (plain, mid), (plain, high)] + ([(split, mid), (split, high)] if split else [])
+    jobs = [(plain, low, own), (plain, mid, own), (plain, high, own)]
+    jobs += [(split, mid, own), (split, high, own)] if split else []
+    pp = parsed.pipeline_model_parallel_size
+    uneven = parsed.decoder_first_pipeline_num_layers or parsed.decoder_last_pipeline_num_layers
+    if vpp is None and not uneven and parsed.num_layers % (2 * pp) == 0:
+        jobs += [("interleaved-1f1b", mid, 2), ("interleaved-1f1b", high, 2)]
     return list(dict.fromkeys(jobs))
 
 
-def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, steps: int,
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int, steps: int,
              trace: str) -> list[str]:
-    """pretrain_gpt's arguments for one calibration job (the user's, then the job's: the last wins)."""
+    """pretrain_gpt's arguments for one calibration job (the user's, then the job's: the last
+    wins); two chunks per rank where the model has one add a virtual pipeline of 2."""
     args, parsed = _checked(argv, nproc)
     batch = parsed.global_batch_size // parsed.data_parallel_size
-    return [*args, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
+    virtual = (["--virtual-pipeline-model-parallel-size", "2"]
+               if chunks == 2 and parsed.virtual_pipeline_model_parallel_size is None else [])
+    return [*args, *virtual, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
             str(batch // microbatches), "--train-iters", str(steps), "--piper-trace", trace]

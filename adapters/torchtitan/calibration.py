@@ -1,11 +1,11 @@
 """``piper calibrate --host torchtitan -- <torchtitan.train flags>``: the calibration jobs as
 TorchTitan runs of the user's config (:mod:`piper_plugin.calibrate_host`'s host contract).
 
-A job is the user's command with ``--parallelism.pipeline_engine=piper``, a recipe of the
-config's stage layout (one stage per rank: 1F1B and ZB-H1, whose split backward measures BI
-and BW; several: interleaved 1F1B and DualPipeV), ``--parallelism.pipeline_parallel_microbatch_size``
-giving the microbatch count, ``--training.steps`` and ``--piper.trace`` set; every other flag
-is the user's. A user flag the jobs set themselves is refused, naming it.
+A job is the user's command with ``--parallelism.pipeline_engine=piper``, a recipe of a stage
+layout (one stage per rank: 1F1B and ZB-H1, whose split backward measures BI and BW; two:
+interleaved 1F1B and DualPipeV), ``--parallelism.pipeline_parallel_microbatch_size`` giving the
+microbatch count, ``--training.steps`` and ``--piper.trace`` set (and, for the layout the config
+does not have, ``--parallelism.pipeline_parallel_schedule``); every other flag is the user's. A user flag the jobs set themselves is refused, naming it.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ SET_BY_CALIBRATION = ("--piper.recipe", "--parallelism.pipeline_parallel_microba
                       "--piper.trace", "--dump_folder")
 _SINGLE = ("1f1b", "zb-h1")  # one stage per pipeline rank
 _MULTI = ("interleaved-1f1b", "dualpipev")  # two per rank
+_SCHEDULE_OF_LAYOUT = {1: "1F1B", 2: "Interleaved1F1B"}  # TorchTitan's schedule giving that many stages per rank
 
 
 def _spellings(flag: str) -> tuple[str, ...]:
@@ -48,30 +49,50 @@ def _config(args: list[str]):
     return ConfigManager().parse_args(args)
 
 
-def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int]]:
-    """(recipe, microbatches) pairs: two recipes of the config's stage layout at the smallest,
-    a middle and the largest microbatch count its local batch allows (the split-backward recipe
-    at the middle and largest)."""
+def _layouts(config) -> list[int]:
+    """Stages per rank the jobs run: the config's own, then the other (one or two) unless the
+    config fixes its stages (``pipeline_parallel_layers_per_stage``, ``module_fqns_per_model_part``)."""
     from piper_plugin.adapters.torchtitan.pipelining import recipe_for
 
+    own = 2 if recipe_for(config.parallelism.pipeline_parallel_schedule) in _MULTI else 1
+    parallelism = config.parallelism
+    if parallelism.pipeline_parallel_layers_per_stage or parallelism.module_fqns_per_model_part:
+        return [own]
+    return [own, 3 - own]
+
+
+def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, int]]:
+    """(recipe, microbatches, stages per rank): at the config's stage layout, two recipes (the
+    second splits the backward) at the smallest, a middle and the largest microbatch count its
+    local batch allows (the split one at the middle and largest); at the other layout, where the
+    config leaves the stages to the schedule, its first recipe at the middle and largest count
+    (stages of other sizes: the fit tells the per-FLOP work from the per-task overhead)."""
     config = _config(_checked(argv))
-    plain, split = _MULTI if recipe_for(config.parallelism.pipeline_parallel_schedule) in _MULTI else _SINGLE
     batch = config.training.local_batch_size
     counts = [m for m in range(1, batch + 1) if batch % m == 0]
     low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
-    jobs = [(plain, low), (plain, mid), (plain, high), (split, mid), (split, high)]
+    own, *other = _layouts(config)
+    plain, split = _MULTI if own == 2 else _SINGLE
+    jobs = [(plain, low, own), (plain, mid, own), (plain, high, own), (split, mid, own), (split, high, own)]
+    for chunks in other:
+        recipe = (_MULTI if chunks == 2 else _SINGLE)[0]
+        jobs += [(recipe, mid, chunks), (recipe, high, chunks)]
     return list(dict.fromkeys(jobs))
 
 
-def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, steps: int, trace: str) -> list[str]:
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int, steps: int,
+             trace: str) -> list[str]:
     """torchtitan.train's arguments for one calibration job: the calibration's flags first (a
-    tyro subcommand among the user's flags scopes what follows it), then the user's."""
+    tyro subcommand among the user's flags scopes what follows it), then the user's; a layout
+    other than the config's sets TorchTitan's schedule to one with that many stages per rank."""
     args = _checked(argv)
     config = _config(args)
     module, rest = args[:2], args[2:]  # titan_argv puts --module first
     mine = ["--parallelism.pipeline_engine=piper", "--piper.recipe", recipe,
             "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches),
             "--training.steps", str(steps), "--piper.trace", trace, "--dump_folder", f"{trace}_dump"]
+    if chunks != _layouts(config)[0]:
+        mine += ["--parallelism.pipeline_parallel_schedule", _SCHEDULE_OF_LAYOUT[chunks]]
     if module[0] != "--module":
         return [*mine, *args]
     return [*module, *mine, *rest]
