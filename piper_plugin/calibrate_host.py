@@ -16,13 +16,17 @@ TorchTitan's and Megatron's do) with:
 Each job runs as the user would run it (torchrun, gloo, 1 torch thread per rank); its trace
 gives the plan, every task's span and each step's seconds, which the toy calibration's fit
 (:func:`piper_plugin.calibrate.fit_profile`) turns into the same profile. Invariant: the profile
-names the host and arguments it was measured on; the adapters' ``--piper.profile`` /
-``--piper-profile`` print what it predicts for a plan of that model.
+names the host, arguments and grid it was measured on and keeps the host's program of each
+stage count its jobs ran (pickled: ``piper tune --profile`` searches plans of them); the
+adapters' ``--piper.profile`` / ``--piper-profile`` print what it predicts for a plan of that model.
 """
 from __future__ import annotations
 
+import base64
 import os
+import pickle
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 from piper_plugin.cli_args import UsageError
 
-__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job"]
+__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job", "pack_programs",
+           "unpack_programs", "host_module"]
 
 CALIBRATION_HOSTS = "piper_plugin.calibration"  # entry-point group: host name -> its calibration module
 JOB_TIMEOUT_S = 900.0
@@ -44,7 +49,7 @@ def calibration_hosts() -> dict:
     return {e.name: e for e in entry_points(group=CALIBRATION_HOSTS)}
 
 
-def _host_module(name: str):
+def host_module(name: str):
     hosts = calibration_hosts()
     if name not in hosts:
         raise UsageError(f"--host {name!r}: no adapter registered a calibration for it; the hosts are "
@@ -71,8 +76,9 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                    say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``host``'s calibration jobs for the command ``argv`` on ``nproc`` ranks (``steps``
     each, the first :data:`~piper_plugin.calibrate.WARMUP_STEPS` left out), time messages between
-    two forked ranks, fit; the profile. A job that fails is reported and left out; none
-    succeeding raises a RuntimeError with the first failure's output."""
+    two forked ranks, fit; the profile. A job that fails runs once more; failing again it is
+    left out, its output kept in the profile's ``failed_jobs``; none succeeding raises a
+    RuntimeError with the first failure's output."""
     from piper_plugin.calibrate import WARMUP_STEPS, fit_profile, measure_messages, task_samples
     from piper_plugin.step_trace import read_step_traces
 
@@ -80,12 +86,13 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
         raise UsageError(f"--steps {steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
     if nproc < 2:
         raise UsageError(f"--nproc {nproc}: calibrating messages needs 2 ranks or more")
-    module = _host_module(host)
+    module = host_module(host)
     jobs = module.calibration_jobs(list(argv), nproc)
     cpus = os.cpu_count() or nproc
     shared = cpus if nproc > cpus else None
     samples: list = []
     steps_measured: list[tuple[str, Any, float]] = []
+    programs: dict[int, Any] = {}  # stage count -> the host's program (for piper tune)
     failures: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
         for recipe, m, chunks in jobs:
@@ -95,12 +102,19 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                                   trace=str(trace))
             started = time.monotonic()
             code, log = run_host_job(module.program, job, nproc, Path(tmp))
-            if code != 0:
-                failures.append((name, f"exit status {code}: {shlex.join(job)}\n" + "\n".join(log.splitlines()[-30:])))
-                say(f"calibrate  {name}: failed (exit status {code}), left out")
-                continue
+            if code != 0:  # once more: a launcher's rendezvous can fail for reasons of its own
+                say(f"calibrate  {name}: failed (exit status {code}), run once more")
+                shutil.rmtree(trace, ignore_errors=True)
+                first = _tail(log)
+                code, log = run_host_job(module.program, job, nproc, Path(tmp))
+                if code != 0:
+                    failures.append((name, f"exit status {code}: {shlex.join(job)}\n{first}\n---\n{_tail(log)}"))
+                    say(f"calibrate  {name}: failed again (exit status {code}), left out")
+                    continue
             traced = read_step_traces(trace)
             plan = traced.plan
+            if traced.program is not None:
+                programs.setdefault(len({r.stage for r in traced.program.regions.values()}), traced.program)
             steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
             samples += task_samples(plan, traced.timelines, shared)
             say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
@@ -110,5 +124,22 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                            else f"--host {host} proposed no calibration job for these arguments")
     messages = measure_messages(nproc)
     profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    grid = steps_measured[0][1].grid
     return {"model": f"{host}: {shlex.join(argv)}", "host": host, "host_args": list(argv), "ranks": nproc,
-            **profile, "failed_jobs": [name for name, _ in failures]}
+            "grid": {"pp": grid.pp, "dp": grid.dp, "ep": grid.ep}, **profile,
+            "failed_jobs": [{"job": name, "output": out} for name, out in failures],
+            "programs": pack_programs(programs)}
+
+
+def _tail(log: str, lines: int = 40) -> str:
+    return "\n".join(log.splitlines()[-lines:])
+
+
+def pack_programs(programs: dict[int, Any]) -> dict[str, str]:
+    """Stage count -> the program, pickled and base64-encoded (a profile is JSON)."""
+    return {str(k): base64.b64encode(pickle.dumps(v)).decode() for k, v in sorted(programs.items())}
+
+
+def unpack_programs(profile: dict[str, Any]) -> dict[int, Any]:
+    """The programs a host profile keeps, by stage count (only profiles you trust: pickles)."""
+    return {int(k): pickle.loads(base64.b64decode(v)) for k, v in profile.get("programs", {}).items()}

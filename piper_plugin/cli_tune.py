@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 
 from piper_plugin.cli_args import UsageError, check_seq, positive_int
@@ -42,7 +43,8 @@ def add_tune_parser(commands) -> argparse.ArgumentParser:
                     "ZeRO level, microbatch count and chunks per rank, for one model and global batch; print the "
                     "fastest plans under the memory cap and write the first as a Schedule trace.")
     tune.add_argument("--model", choices=sorted(TOY_MODELS), default="toy-lm", help="toy model (default: toy-lm)")
-    tune.add_argument("--ranks", type=positive_int, required=True, metavar="N", help="ranks to plan for")
+    tune.add_argument("--ranks", type=positive_int, metavar="N",
+                      help="ranks to plan for (required, unless --profile is a host's: its grid)")
     tune.add_argument("--memory-cap", type=parse_bytes, metavar="BYTES",
                       help="simulated peak per rank at most this (e.g. 64MiB); default: no cap")
     tune.add_argument("--layers", type=positive_int, metavar="L",
@@ -183,6 +185,76 @@ def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int
     return 0
 
 
+def _print_result(result, args: argparse.Namespace, seconds: bool) -> None:
+    """The refusals, then the plans under the cap fastest first (a UsageError when none is)."""
+    from piper_plugin.train_report import human_bytes
+
+    for reason, count in sorted(result.refused.items(), key=lambda kv: -kv[1]):
+        print(f"        {count:4d} x {reason}")
+    if not result.fitting:
+        smallest = result.over_cap[0] if result.over_cap else None
+        hint = (f"; the smallest plan needs {human_bytes(smallest.peak_bytes)} per rank ({smallest.candidate.label()})"
+                if smallest else "")
+        raise UsageError(f"no plan fits --memory-cap {human_bytes(args.memory_cap or 0)}{hint}: raise the cap, "
+                         f"add ranks or lower --batch")
+    scale = 1e3 if seconds else 1.0
+    rows = [("#", "plan", f"step ({'ms' if seconds else 'units'})", "bubble", "peak/rank")]
+    for i, s in enumerate(result.fitting[:args.top], 1):
+        rows.append((str(i), s.candidate.label(), f"{s.step_time * scale:.4g}", f"{s.bubble:.1%}",
+                     human_bytes(s.peak_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print()
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    if result.over_cap:
+        print(f"\n{len(result.over_cap)} plans above the cap (smallest: {human_bytes(result.over_cap[0].peak_bytes)})")
+
+
+def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
+    """``piper tune --profile P`` of a host profile: every built-in recipe, microbatch count,
+    stage layout the calibration ran and overlay on the host's own grid, simulated over the
+    host's programs the profile keeps; ``--out`` writes the best as a trace, and the host
+    command that runs it is printed."""
+    from piper_plugin.calibrate import cost_model
+    from piper_plugin.calibrate_host import host_module, unpack_programs
+    from piper_plugin.recipes import load as load_recipe
+    from piper_plugin.tune import search
+
+    programs = unpack_programs(data)
+    if not programs:
+        raise UsageError(f"--profile {args.profile}: it keeps no program of the host's model (an older "
+                         f"calibration); run piper calibrate --host {data['host']} again")
+    grid = tuple(int(data["grid"][k]) for k in ("pp", "dp", "ep"))
+    if grid[1] * grid[2] > 1:
+        raise UsageError(f"--profile {args.profile}: its host grid pp={grid[0]} x dp={grid[1]} x ep={grid[2]} has "
+                         f"data or expert parallelism, whose ZeRO level the host's own flags set; tuning a host "
+                         f"profile covers pipeline-only grids")
+    batch = next(iter(programs.values())).dag.batch_size
+
+    def build(stages: int):
+        if stages not in programs:
+            raise ValueError(f"no program of N stages was calibrated (the host ran {sorted(programs)})")
+        return programs[stages]
+
+    result = search(build, grid[0], batch, experts=False, cost=cost_model(data), memory_cap=args.memory_cap,
+                    grid=grid, zero_levels=(0,))
+    scored = len(result.fitting) + len(result.over_cap)
+    print(f"tune    {data['model']}, grid pp={grid[0]}, batch {batch}, stage counts {sorted(programs)}, profile "
+          f"{args.profile}: {scored} distinct plans simulated, {sum(result.refused.values())} did not apply")
+    _print_result(result, args, seconds=True)
+    best = result.fitting[0]
+    if args.out:
+        args.out.write_text(best.schedule.dumps())
+        module = host_module(data["host"])
+        cand = best.candidate
+        stages = load_recipe(cand.recipe).stages(cand.pp, cand.chunks)
+        command = module.job_argv(data["host_args"], data["ranks"], recipe=str(args.out), microbatches=cand.microbatches,
+                                  chunks=stages // cand.pp)
+        print(f"\nwrote {args.out}: run it with torchrun --nproc_per_node={data['ranks']} -m {module.program} "
+              f"{shlex.join(command)} (and the run's length: --training.steps / --train-iters)")
+    return 0
+
+
 def run_tune(args: argparse.Namespace) -> int:
     import torch
 
@@ -191,9 +263,19 @@ def run_tune(args: argparse.Namespace) -> int:
     from piper_plugin.ir.capture import capture
     from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
     from piper_plugin.scheduler.cost import CostModel
-    from piper_plugin.train_report import human_bytes
     from piper_plugin.tune import search
 
+    if args.profile is not None:
+        from piper_plugin.calibrate import read_profile
+
+        try:
+            data = read_profile(args.profile)
+        except ValueError as exc:
+            raise UsageError(f"--profile: {exc}") from None
+        if "host" in data:
+            return _run_host_tune(args, data)
+    if args.ranks is None:
+        raise UsageError("--ranks is missing: the number of ranks to plan for, e.g. --ranks 2")
     sizes = profile_sizes(args.profile) if args.profile is not None else {}
     layers, batch = args.layers or sizes.get("layers", 8), args.batch or sizes.get("batch", 16)
     seq = args.seq or sizes.get("seq", 32)
@@ -220,26 +302,7 @@ def run_tune(args: argparse.Namespace) -> int:
     print(f"tune    {args.model}, {layers} layers, batch {batch}, seq {seq}, {args.ranks} ranks, cost {cost_name}: "
           f"{scored} distinct plans simulated ({result.duplicates} candidates gave a plan already seen, "
           f"{result.no_overlay} stream overlays found nothing to move), {sum(result.refused.values())} did not apply")
-    for reason, count in sorted(result.refused.items(), key=lambda kv: -kv[1]):
-        print(f"        {count:4d} x {reason}")
-    if not result.fitting:
-        smallest = result.over_cap[0] if result.over_cap else None
-        hint = (f"; the smallest plan needs {human_bytes(smallest.peak_bytes)} per rank ({smallest.candidate.label()})"
-                if smallest else "")
-        raise UsageError(f"no plan fits --memory-cap {human_bytes(args.memory_cap or 0)}{hint}: raise the cap, "
-                         f"add ranks or lower --batch")
-    seconds = args.profile is not None or args.cost == "cpu"
-    scale = 1e3 if seconds else 1.0
-    rows = [("#", "plan", f"step ({'ms' if seconds else 'units'})", "bubble", "peak/rank")]
-    for i, s in enumerate(result.fitting[:args.top], 1):
-        rows.append((str(i), s.candidate.label(), f"{s.step_time * scale:.4g}", f"{s.bubble:.1%}",
-                     human_bytes(s.peak_bytes)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    print()
-    for row in rows:
-        print("  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    if result.over_cap:
-        print(f"\n{len(result.over_cap)} plans above the cap (smallest: {human_bytes(result.over_cap[0].peak_bytes)})")
+    _print_result(result, args, seconds=args.profile is not None or args.cost == "cpu")
     best = result.fitting[0]
     if args.out:
         args.out.write_text(best.schedule.dumps())

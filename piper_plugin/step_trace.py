@@ -3,7 +3,8 @@
 The host adapters write one (``--piper.trace DIR`` under TorchTitan, ``--piper-trace DIR`` under
 Megatron); ``piper calibrate --host`` reads them. The folder holds:
 
-- ``plan.pkl``: the plan (written once, by process rank 0);
+- ``plan.pkl``: the plan, and ``program.pkl``: the single-device program it was compiled from
+  (written once, by process rank 0; ``piper calibrate --host`` keeps the program for ``piper tune``);
 - ``rank<process rank>.json``, rewritten after every step: ``plan_rank``, ``step`` (steps so
   far), ``timeline`` (``[stream, task, start s, end s]`` of the latest step), ``blocks`` (the
   plan rank's overlap blocks, :func:`~piper_plugin.overlap_blocks`) and ``step_seconds`` (the
@@ -28,7 +29,7 @@ __all__ = ["StepTrace", "TracedSteps", "read_step_traces"]
 class StepTrace:
     """Writes one process's trace into ``folder`` (see the module's layout)."""
 
-    def __init__(self, folder: str | Path, plan, plan_rank: int, process_rank: int):
+    def __init__(self, folder: str | Path, plan, plan_rank: int, process_rank: int, program=None):
         from piper_plugin.overlap_report import overlap_blocks
 
         self.folder, self.plan_rank, self.process_rank = Path(folder), plan_rank, process_rank
@@ -38,6 +39,9 @@ class StepTrace:
         if process_rank == 0:
             with open(self.folder / "plan.pkl", "wb") as f:
                 pickle.dump(plan, f)
+            if program is not None:
+                with open(self.folder / "program.pkl", "wb") as f:
+                    pickle.dump(program, f)
 
     def record(self, timeline: list, seconds: float) -> None:
         """After a step: its measured timeline (``(stream, task, start, end)`` entries) and wall time."""
@@ -51,11 +55,13 @@ class StepTrace:
 @dataclass
 class TracedSteps:
     """What a trace folder holds: the plan, each plan rank's latest timeline (its first process's,
-    where data-parallel replicas share a plan rank), and per step the slowest process's seconds."""
+    where data-parallel replicas share a plan rank), per step the slowest process's seconds, and
+    the program (None where the writer gave none)."""
 
     plan: Any
     timelines: dict[int, list[tuple[str, str, float, float]]]
     step_seconds: list[float]
+    program: Any = None
 
     def median_step(self, skip: int) -> float:
         """The median step after the first ``skip`` (warm-up)."""
@@ -81,4 +87,8 @@ def read_step_traces(folder: str | Path) -> TracedSteps:
     for r in ranks:
         timelines.setdefault(r["plan_rank"], [tuple(e) for e in r["timeline"]])
     steps = [max(r["step_seconds"][i] for r in ranks) for i in range(ranks[0]["step"])]
-    return TracedSteps(plan, timelines, steps)
+    program = None
+    if (folder / "program.pkl").exists():
+        with open(folder / "program.pkl", "rb") as f:
+            program = pickle.load(f)
+    return TracedSteps(plan, timelines, steps, program)

@@ -100,13 +100,16 @@ def grids(ranks: int, experts: bool) -> Iterator[tuple[int, int, int]]:
 
 def candidates(ranks: int, batch: int, *, experts: bool, recipes: Sequence[str], zero_levels: Sequence[int],
                microbatches: Sequence[int], chunks: Sequence[int],
-               streams: Sequence[str | None] = (None,), warmups: Sequence[int] = (0,)) -> Iterator[Candidate]:
+               streams: Sequence[str | None] = (None,), warmups: Sequence[int] = (0,),
+               grid: tuple[int, int, int] | None = None) -> Iterator[Candidate]:
     """The search space: a microbatch count must give every data shard (dp x ep of them) whole
     samples; chunks above 1 only for recipes that place several stages on a rank; an order
-    overlay (``warmups`` above 0) only on 1f1b with a pipeline and microbatches for it to move."""
+    overlay (``warmups`` above 0) only on 1f1b with a pipeline and microbatches for it to move;
+    ``grid``: only that ``(pp, dp, ep)`` (a host's mesh, fixed by its flags)."""
     from piper_plugin.recipes import load
 
-    for name, (pp, dp, ep), zero, m in itertools.product(recipes, grids(ranks, experts), zero_levels, microbatches):
+    layouts = [grid] if grid is not None else list(grids(ranks, experts))
+    for name, (pp, dp, ep), zero, m in itertools.product(recipes, layouts, zero_levels, microbatches):
         if batch % (dp * ep * m):
             continue
         if zero > 0 and dp * ep == 1:
@@ -129,10 +132,12 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
            memory_cap: float | None = None, recipes: Sequence[str] | None = None,
            zero_levels: Sequence[int] = (0, 1, 2, 3), microbatches: Sequence[int] = (1, 2, 4, 8, 16),
            chunks: Sequence[int] = (1, 2), max_stages: int | None = None,
-           streams: Sequence[str | None] = STREAM_OVERLAYS, warmups: Sequence[int] = WARMUP_OVERLAYS) -> TuneResult:
+           streams: Sequence[str | None] = STREAM_OVERLAYS, warmups: Sequence[int] = WARMUP_OVERLAYS,
+           grid: tuple[int, int, int] | None = None) -> TuneResult:
     """Score every candidate. ``build_program(stages)`` captures the model cut into that many
-    stages (cached per count here); ``max_stages`` skips candidates needing more; ``streams``:
-    the stream overlays tried on every candidate; ``warmups``: the order overlays (1f1b's)."""
+    stages (cached per count here; a ValueError refuses the count); ``max_stages`` skips
+    candidates needing more; ``streams``: the stream overlays tried on every candidate;
+    ``warmups``: the order overlays (1f1b's); ``grid``: only that ``(pp, dp, ep)``."""
     from piper_plugin.compiler import compile_program
     from piper_plugin.recipes import RECIPES, RecipeError, load
 
@@ -141,7 +146,7 @@ def search(build_program: Callable[[int], Any], ranks: int, batch: int, *, exper
     fitting, over, refused, hashes = [], [], Counter(), set()
     for cand in candidates(ranks, batch, experts=experts, recipes=list(recipes or RECIPES),
                            zero_levels=zero_levels, microbatches=microbatches, chunks=chunks, streams=streams,
-                           warmups=warmups):
+                           warmups=warmups, grid=grid):
         recipe = load(cand.recipe)
         stages = recipe.stages(cand.pp, cand.chunks)
         if max_stages is not None and stages > max_stages:

@@ -105,7 +105,7 @@ def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
 
 
 def _check_jobs(profile: dict) -> None:
-    assert not profile["failed_jobs"]
+    assert not profile["failed_jobs"], profile["failed_jobs"]
     recipes_run = {job["job"].split()[0] for job in profile["jobs"]}
     assert recipes_run == {"1f1b", "zb-h1", "interleaved-1f1b"} and {"F", "B", "BI", "BW"} <= set(profile["compute"])
     assert any(job["job"].endswith("v=2") for job in profile["jobs"])  # stages of another size
@@ -115,26 +115,38 @@ def _check_jobs(profile: dict) -> None:
 
 
 @pytest.mark.slow
-def test_torchtitan_profile_predicts_schedules_it_never_ran(capsys, tmp_path):
+def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tmp_path):
     """Calibrated on llama3_debugmodel_pp2_1f1b (1F1B and ZB-H1 on its 2 stages, interleaved 1F1B on
-    4), the profile predicts GPipe and DualPipeV, each measured from its own step trace."""
+    4), the profile predicts GPipe; ``piper tune`` with it searches the host's own programs and
+    writes a plan that TorchTitan runs by the printed command, its step as predicted."""
+    from piper_plugin.adapters.torchtitan.calibration import job_argv
     from piper_plugin.adapters.torchtitan.launch import run_titan
 
-    path = tmp_path / "tt.json"
-    result = _piper(capsys, "calibrate", "--host", "torchtitan", "--steps", "5", "--out", str(path), "--",
-                    "--config", "llama3_debugmodel_pp2_1f1b")
+    path, best = tmp_path / "tt.json", tmp_path / "best.json"
+    user = ["--config", "llama3_debugmodel_pp2_1f1b"]
+    result = _piper(capsys, "calibrate", "--host", "torchtitan", "--steps", "5", "--out", str(path), "--", *user)
     assert result.returncode == 0, result.stderr
     profile = json.loads(path.read_text())
-    assert profile["host"] == "torchtitan" and profile["host_args"] == ["--config", "llama3_debugmodel_pp2_1f1b"]
+    assert profile["host"] == "torchtitan" and profile["host_args"] == user and profile["grid"]["pp"] == 2
+    assert sorted(profile["programs"]) == ["2", "4"]
     _check_jobs(profile)
-    for config in ("llama3_debugmodel_pp2_gpipe", "llama3_debugmodel_pp2_dualpipev"):
-        trace = tmp_path / config
-        run = run_titan(config, "piper", dump_folder=tmp_path / f"{config}_dump", steps=6,
-                        extra=["--piper.trace", str(trace), "--piper.profile", str(path)])
+    tuned = _piper(capsys, "tune", "--profile", str(path), "--out", str(best))
+    assert tuned.returncode == 0, tuned.stderr
+    first = re.search(r"^\s*1  (\S+) pp=2 dp=1 ep=1 zero=0 m=(\d+)( v=2)?", tuned.stdout, re.M)
+    assert first, tuned.stdout
+    command = re.search(r"run it with torchrun --nproc_per_node=2 -m torchtitan.train (.*) \(and the run", tuned.stdout)[1]
+    stages = 4 if first[1] in ("dualpipev", "interleaved-1f1b") else 2
+    assert command.split() == job_argv(user, 2, recipe=str(best), microbatches=int(first[2]), chunks=stages // 2)
+    tuned_flags = command.split()[2:-len(user)]  # between --module M and the user's flags: the plan's
+    runs = {"gpipe": ["--piper.recipe", "gpipe"], "tuned": tuned_flags}
+    for name, extra in runs.items():
+        trace = tmp_path / name
+        run = run_titan("llama3_debugmodel_pp2_1f1b", "piper", dump_folder=tmp_path / f"{name}_dump", steps=6,
+                        extra=[*extra, "--piper.trace", str(trace), "--piper.profile", str(path)])
         assert run.ok, run.tail()
         predicted = float(PREDICTED.search(run.log)[1]) / 1e3
         ratio = predicted / read_step_traces(trace).median_step(2)
-        assert BOUNDS[0] < ratio < BOUNDS[1], (config, ratio)
+        assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)
 
 
 MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidden-size", "256",

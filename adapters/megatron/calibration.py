@@ -63,13 +63,15 @@ def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, in
     return list(dict.fromkeys(jobs))
 
 
-def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int, steps: int,
-             trace: str) -> list[str]:
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,
+             steps: int | None = None, trace: str | None = None) -> list[str]:
     """pretrain_gpt's arguments for one calibration job (the user's, then the job's: the last
-    wins); two chunks per rank where the model has one add a virtual pipeline of 2."""
+    wins); two chunks per rank where the model has one add a virtual pipeline of 2. Without
+    ``steps`` and ``trace``: the arguments that run ``recipe`` (a tuned plan's file) so."""
     args, parsed = _checked(argv, nproc)
     batch = parsed.global_batch_size // parsed.data_parallel_size
     virtual = (["--virtual-pipeline-model-parallel-size", "2"]
                if chunks == 2 and parsed.virtual_pipeline_model_parallel_size is None else [])
     return [*args, *virtual, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
-            str(batch // microbatches), "--train-iters", str(steps), "--piper-trace", trace]
+            str(batch // microbatches), *(["--train-iters", str(steps)] if steps is not None else []),
+            *(["--piper-trace", trace] if trace is not None else [])]

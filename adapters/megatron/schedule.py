@@ -108,7 +108,7 @@ class PiperForwardBackward:
                       f"{self.profile}: step {predicted.step_time * 1e3:.1f} ms, bubble "
                       f"{predicted.bubble_fraction:.3f}", flush=True)
             if self.trace is not None:
-                engine.trace = StepTrace(self.trace, engine.plan, engine.plan_rank, dist.get_rank())
+                engine.trace = StepTrace(self.trace, engine.plan, engine.plan_rank, dist.get_rank(), engine.program)
             self._cached = (key, engine)
         return self._cached[1]
 
@@ -202,6 +202,7 @@ class _Engine:
                                 f"interleaved-1f1b, gpipe, zb-h1), or build the chunks where the recipe places them "
                                 f"(stage_placement) and mark each with its stage (chunk.piper_stage = s)")
         self.plan, self.recipe_name, self.simulation = plan, loaded.name, compiled.simulation
+        self.program = program
         self.microbatches = microbatches
         specs = {hidden_name(s): ValueSpec(shape, config.pipeline_dtype) for s in range(num_stages - 1)}
         # Megatron's loss function already divides by the microbatch count; over Piper's data-parallel

@@ -9,6 +9,9 @@ does not have, ``--parallelism.pipeline_parallel_schedule``); every other flag i
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from typing import Sequence
 
 from piper_plugin import UsageError
@@ -44,9 +47,13 @@ def _checked(argv: Sequence[str]) -> list[str]:
 
 
 def _config(args: list[str]):
+    """TorchTitan's config for ``args``, its parse-time notes (printed per rank when it trains) kept quiet."""
     from torchtitan.config import ConfigManager
 
-    return ConfigManager().parse_args(args)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ConfigManager().parse_args(args)
 
 
 def _layouts(config) -> list[int]:
@@ -80,17 +87,19 @@ def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, in
     return list(dict.fromkeys(jobs))
 
 
-def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int, steps: int,
-             trace: str) -> list[str]:
+def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,
+             steps: int | None = None, trace: str | None = None) -> list[str]:
     """torchtitan.train's arguments for one calibration job: the calibration's flags first (a
     tyro subcommand among the user's flags scopes what follows it), then the user's; a layout
-    other than the config's sets TorchTitan's schedule to one with that many stages per rank."""
+    other than the config's sets TorchTitan's schedule to one with that many stages per rank.
+    Without ``steps`` and ``trace``: the command that runs ``recipe`` (a tuned plan's file) so."""
     args = _checked(argv)
     config = _config(args)
     module, rest = args[:2], args[2:]  # titan_argv puts --module first
     mine = ["--parallelism.pipeline_engine=piper", "--piper.recipe", recipe,
-            "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches),
-            "--training.steps", str(steps), "--piper.trace", trace, "--dump_folder", f"{trace}_dump"]
+            "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches)]
+    mine += ["--training.steps", str(steps)] if steps is not None else []
+    mine += ["--piper.trace", trace, "--dump_folder", f"{trace}_dump"] if trace is not None else []
     if chunks != _layouts(config)[0]:
         mine += ["--parallelism.pipeline_parallel_schedule", _SCHEDULE_OF_LAYOUT[chunks]]
     if module[0] != "--module":

@@ -128,7 +128,7 @@ class PiperPipelineSchedule:
         out = executor.step(microbatches=inputs, compute_context=self._spmd_context)
         if self.trace_dir:
             if self._trace is None:
-                self._trace = StepTrace(self.trace_dir, self.plan, self.rank, dist.get_rank())
+                self._trace = StepTrace(self.trace_dir, self.plan, self.rank, dist.get_rank(), self.program)
             self._trace.record(executor.runner.timeline, time.perf_counter() - started)
         if losses is not None and self.has_last_stage:
             losses.extend(out)
