@@ -11,6 +11,9 @@ Per host (TorchTitan: ``llama3_debugmodel``'s 2-stage pipeline drop-in; Megatron
    prediction of that plan's step) and a step trace (the measured step: per step the slowest
    process's executor time, median over the steps after ``--warmup``).
 
+Each round also runs ``piper tune --profile`` with that round's profile (the host's programs the
+calibration kept) and the plan it writes, by the command it prints.
+
 Reported: per schedule the predicted / measured ratio per round and its median; which schedules
 the calibration ran (a recipe and microbatch count among its jobs; the rest it never saw: other
 recipes, microbatch counts or stage counts). Memory is not
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -65,6 +69,9 @@ HOSTS: dict[str, tuple[str, list[str], dict[str, list[str]]]] = {
     }),
 }
 PREDICTED = re.compile(r"predicted with cost profile \S+: step ([\d.]+) ms")
+TUNED = "tuned (piper tune's first choice)"
+_TUNED = re.compile(r"run it with torchrun --nproc_per_node=\d+ -m \S+ (.*) \(and the run")
+_FIRST = re.compile(r"^\s*1  (.+?)\s{2,}", re.M)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_args(host: str, argv: list[str], steps: int, trace: Path, profile: Path) -> list[str]:
     if host == "torchtitan":
-        return ["--module", "piper_plugin.adapters.torchtitan", *argv, "--parallelism.pipeline_engine=piper",
+        module = [] if argv[:1] == ["--module"] else ["--module", "piper_plugin.adapters.torchtitan"]
+        return [*module, *argv, "--parallelism.pipeline_engine=piper",
                 "--training.steps", str(steps), "--piper.trace", str(trace), "--piper.profile", str(profile),
                 "--dump_folder", f"{trace}_dump"]
     return [*argv, "--pipeline-engine", "piper", "--train-iters", str(steps), "--piper-trace", str(trace),
@@ -108,10 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections = []
     for host in args.hosts:
         program, base, schedules = HOSTS[host]
-        names = [n for n in schedules if not args.schedules or n in args.schedules]
+        names = [*(n for n in schedules if not args.schedules or n in args.schedules), TUNED]
+        schedules = {**schedules, TUNED: []}  # each round: the tuner's command
         ratios: dict[str, list[float]] = {n: [] for n in names}
         measured: dict[str, list[float]] = {n: [] for n in names}
         calibration, calibrated = "", set()
+        tuned_as: dict[str, int] = {}  # the tuner's first choice -> rounds it was chosen
         for round_ in range(args.rounds):
             profile = work / f"{host}_{round_}.json"
             cal = subprocess.run([sys.executable, "-m", "piper_plugin.cli", "calibrate", "--host", host, "--steps",
@@ -122,6 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 1
             calibration = "\n".join(line for line in cal.stdout.splitlines() if line.startswith("calibrate"))
             calibrated = {job["job"] for job in json.loads(profile.read_text())["jobs"]}
+            tuned = work / f"{host}_{round_}_tuned.json"
+            tune = subprocess.run([sys.executable, "-m", "piper_plugin.cli", "tune", "--profile", str(profile),
+                                   "--out", str(tuned)], capture_output=True, text=True)
+            command = _TUNED.search(tune.stdout)
+            if tune.returncode != 0 or command is None:
+                print(tune.stdout + tune.stderr, file=sys.stderr)
+                return 1
+            first = _FIRST.search(tune.stdout)[1]
+            schedules[TUNED] = shlex.split(command[1])
+            tuned_as[first] = tuned_as.get(first, 0) + 1
             order = names[round_ % len(names):] + names[:round_ % len(names)]
             for name in order:
                 trace = work / f"{host}_{round_}_{names.index(name)}"
@@ -136,15 +156,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratios[name].append(float(found[1]) / 1e3 / step)
                 print(f"round {round_ + 1}: {host} {name}: measured {step * 1e3:.1f} ms, predicted / measured "
                       f"{ratios[name][-1]:.2f}", flush=True)
-        rows = [(name, "yes" if name.split(" (")[0] in calibrated else "no",
+        rows = [(name, "-" if name == TUNED else "yes" if name.split(" (")[0] in calibrated else "no",
                  f"{median(measured[name]) * 1e3:.1f}", " ".join(f"{r:.2f}" for r in ratios[name]),
                  f"**{median(ratios[name]):.2f}**") for name in names]
         worst = max(abs(median(ratios[n]) - 1) for n in names)
+        written = [n for n in names if n != TUNED]
+        fastest = min(written, key=lambda n: median(measured[n]))
+        against = median(measured[TUNED]) / median(measured[fastest])
         sections += [f"## {host}", "", f"Calibrated on: `piper calibrate --host {host} --steps {args.calibrate_steps} "
                      f"-- {' '.join(base)}`", "",
                      markdown_table(("schedule", "a calibration job's", "measured step (ms, median)",
                                      "predicted / measured per round", "median"), rows), "",
-                     f"Every schedule's median within {worst:.0%}.", "",
+                     f"Every schedule's median within {worst:.0%}. `piper tune --profile` (the round's "
+                     f"profile) chose: {'; '.join(f'{k} ({v} of {args.rounds} rounds)' for k, v in tuned_as.items())}; "
+                     f"its measured median over the fastest other row's ({fastest}): {against:.2f}.",
+                     "",
                      "The last round's calibration:", "", "```", calibration, "```", ""]
     text = "\n".join([
         "# Host cost profiles: predicted against measured steps",

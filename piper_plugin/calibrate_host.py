@@ -11,7 +11,10 @@ TorchTitan's and Megatron's do) with:
   that divide its batch), checking ``argv`` first (a UsageError names the flag);
 - ``job_argv(argv, nproc, *, recipe, microbatches, chunks, steps, trace)``: the user's arguments
   with the Piper engine, that recipe, microbatch count and stages per rank, ``steps`` steps and a
-  step trace into ``trace`` (:class:`~piper_plugin.StepTrace`).
+  step trace into ``trace`` (:class:`~piper_plugin.StepTrace`); without ``steps`` and ``trace``,
+  the arguments that run a tuned plan's file;
+- optionally ``tunable_recipes(argv, nproc)``: the built-in recipes the host runs for them
+  (``piper tune`` searches only those).
 
 Each job runs as the user would run it (torchrun, gloo, 1 torch thread per rank); its trace
 gives the plan, every task's span and each step's seconds, which the toy calibration's fit

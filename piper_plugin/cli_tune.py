@@ -236,8 +236,10 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
             raise ValueError(f"no program of N stages was calibrated (the host ran {sorted(programs)})")
         return programs[stages]
 
+    module = host_module(data["host"])
+    tunable = getattr(module, "tunable_recipes", None)  # optional: what the host runs for these arguments
     result = search(build, grid[0], batch, experts=False, cost=cost_model(data), memory_cap=args.memory_cap,
-                    grid=grid, zero_levels=(0,))
+                    grid=grid, zero_levels=(0,), recipes=tunable(data["host_args"], data["ranks"]) if tunable else None)
     scored = len(result.fitting) + len(result.over_cap)
     print(f"tune    {data['model']}, grid pp={grid[0]}, batch {batch}, stage counts {sorted(programs)}, profile "
           f"{args.profile}: {scored} distinct plans simulated, {sum(result.refused.values())} did not apply")
@@ -245,7 +247,6 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
     best = result.fitting[0]
     if args.out:
         args.out.write_text(best.schedule.dumps())
-        module = host_module(data["host"])
         cand = best.candidate
         stages = load_recipe(cand.recipe).stages(cand.pp, cand.chunks)
         command = module.job_argv(data["host_args"], data["ranks"], recipe=str(args.out), microbatches=cand.microbatches,

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from piper_plugin import UsageError
 
-__all__ = ["program", "calibration_jobs", "job_argv", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_jobs", "job_argv", "tunable_recipes", "SET_BY_CALIBRATION"]
 
 program = "piper_plugin.adapters.megatron.pretrain_gpt"
 SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--save", "--load")
@@ -75,3 +75,13 @@ def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int,
     return [*args, *virtual, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
             str(batch // microbatches), *(["--train-iters", str(steps)] if steps is not None else []),
             *(["--piper-trace", trace] if trace is not None else [])]
+
+
+def tunable_recipes(argv: Sequence[str], nproc: int) -> list[str]:
+    """The built-in recipes the entry runs for these arguments: with tied embeddings not those
+    whose V puts the first and last stages on one rank (the entry refuses them)."""
+    from piper_plugin import recipes
+
+    _, parsed = _checked(argv, nproc)
+    names = list(recipes.RECIPES)
+    return names if parsed.untie_embeddings_and_output_weights else [n for n in names if n != "dualpipev"]
