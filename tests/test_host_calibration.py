@@ -155,18 +155,26 @@ MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidde
 
 
 @pytest.mark.slow
-def test_megatron_profile_predicts_dualpipev_it_never_ran(capsys, tmp_path):
-    """Calibrated with 1F1B, ZB-H1 and interleaved 1F1B, the profile predicts DualPipeV's V."""
-    path = tmp_path / "meg.json"
+def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
+    """Calibrated with 1F1B, ZB-H1 and interleaved 1F1B, the profile predicts DualPipeV's V (never
+    run); ``piper tune`` with it writes a trace the entry runs by the printed command (the
+    entry reads the trace's placement before it builds the chunks), its step as predicted."""
+    path, best = tmp_path / "meg.json", tmp_path / "best.json"
     result = _piper(capsys, "calibrate", "--host", "megatron", "--steps", "5", "--out", str(path), "--", *MEGATRON)
     assert result.returncode == 0, result.stderr
     _check_jobs(json.loads(path.read_text()))
-    trace = tmp_path / "dualpipev"
-    code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
-        *MEGATRON, "--micro-batch-size", "1", "--train-iters", "6", "--pipeline-engine", "piper",
-        "--virtual-pipeline-model-parallel-size", "2", "--piper-recipe", "dualpipev",
-        "--untie-embeddings-and-output-weights", "--piper-trace", str(trace), "--piper-profile", str(path)],
-        2, tmp_path)
-    assert code == 0, log[-3000:]
-    ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
-    assert BOUNDS[0] < ratio < BOUNDS[1], ratio
+    tuned = _piper(capsys, "tune", "--profile", str(path), "--out", str(best))
+    assert tuned.returncode == 0, tuned.stderr
+    assert "dualpipev" not in tuned.stdout  # tied embeddings: the entry refuses DualPipeV's V
+    command = re.search(r"-m piper_plugin.adapters.megatron.pretrain_gpt (.*) \(and the run", tuned.stdout)[1]
+    runs = {"dualpipev": [*MEGATRON, "--micro-batch-size", "1", "--pipeline-engine", "piper",
+                          "--virtual-pipeline-model-parallel-size", "2", "--piper-recipe", "dualpipev",
+                          "--untie-embeddings-and-output-weights"],
+            "tuned": command.split()}
+    for name, argv in runs.items():
+        trace = tmp_path / name
+        code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
+            *argv, "--train-iters", "6", "--piper-trace", str(trace), "--piper-profile", str(path)], 2, tmp_path)
+        assert code == 0, (name, log[-3000:])
+        ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
+        assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)

@@ -29,7 +29,9 @@ before the optimizer is built (it turns the chunks' parameters into faces of thi
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -37,8 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin import (
-    DirectiveError, Executor, ExecutorConfig, StepTrace, UsageError, ValueSpec, compile_program, cost_model, recipes,
-    simulate,
+    DirectiveError, Executor, ExecutorConfig, Schedule, StepTrace, UsageError, ValueSpec, compile_program, cost_model,
+    recipes, simulate,
 )
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
@@ -309,16 +311,22 @@ def stage_of(chunk: nn.Module, k: int, pp: int, pp_rank: int) -> int:
 
 def stage_placement(recipe: str | None, *, pp: int, stages: int, microbatches: int) -> dict[int, int]:
     """Stage -> pipeline rank, as ``recipe`` places ``stages`` stages on ``pp`` ranks (what to
-    build where); a recipe that cannot is refused by name."""
+    build where); a recipe that cannot is refused by name. A trace's placement is read on a
+    stand-in model of ``stages`` stages: the model it was recorded on is checked when the real
+    one is compiled."""
     name = recipe or ("1f1b" if stages == pp else "interleaved-1f1b")
     try:
         loaded = recipes.load(name)
         program = build_program({s: [("weight", (1,), 4)] for s in range(stages)}, microbatch_size=1,
                                 microbatches=microbatches,
                                 hidden_shape=(1, 1, 1), dtype=torch.float32)
-        plan = compile_program(program, lambda prog: loaded.schedule(
-            prog, pp=pp, dp=1, ep=1, microbatches=microbatches, chunks=max(1, stages // pp), zero=0,
-            bucket_bytes=None)).plan
+        if name.endswith(".json"):  # a trace (piper tune's): its placement, on a model of as many stages
+            data = {**json.loads(Path(name).read_text()), "model": None}
+            plan = compile_program(program, lambda prog: Schedule.from_json(prog, data)).plan
+        else:
+            plan = compile_program(program, lambda prog: loaded.schedule(
+                prog, pp=pp, dp=1, ep=1, microbatches=microbatches, chunks=max(1, stages // pp), zero=0,
+                bucket_bytes=None)).plan
     except (DirectiveError, recipes.RecipeError) as exc:
         raise ArgumentError(f"--piper-recipe {name}: {exc} ({stages} stages on --pipeline-model-parallel-size "
                             f"{pp})") from None
