@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 
 from piper_plugin.cli_args import UsageError
 
-__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job", "pack_programs",
-           "unpack_programs", "host_module"]
+__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job", "HostJobsFailed",
+           "pack_programs", "unpack_programs", "host_module"]
 
 CALIBRATION_HOSTS = "piper_plugin.calibration"  # entry-point group: host name -> its calibration module
 JOB_TIMEOUT_S = 900.0
@@ -58,6 +58,14 @@ def host_module(name: str):
         raise UsageError(f"--host {name!r}: no adapter registered a calibration for it; the hosts are "
                          f"{', '.join(sorted(hosts)) or 'none (install piper_plugin with its adapters)'}")
     return hosts[name].load()
+
+
+class HostJobsFailed(RuntimeError):
+    """No calibration job ran; ``details``: the first failure's command and output."""
+
+    def __init__(self, message: str, details: str):
+        super().__init__(message)
+        self.details = details
 
 
 def run_host_job(program: str, argv: Sequence[str], nproc: int, cwd: Path,
@@ -80,15 +88,15 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     """Run ``host``'s calibration jobs for the command ``argv`` on ``nproc`` ranks (``steps``
     each, the first :data:`~piper_plugin.calibrate.WARMUP_STEPS` left out), time messages between
     two forked ranks, fit; the profile. A job that fails runs once more; failing again it is
-    left out, its output kept in the profile's ``failed_jobs``; none succeeding raises a
-    RuntimeError with the first failure's output."""
+    left out, its output kept in the profile's ``failed_jobs``; none succeeding raises
+    :class:`HostJobsFailed` with the first failure's output."""
     from piper_plugin.calibrate import WARMUP_STEPS, fit_profile, measure_messages, task_samples
     from piper_plugin.step_trace import read_step_traces
 
     if steps <= WARMUP_STEPS:
         raise UsageError(f"--steps {steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
     if nproc < 2:
-        raise UsageError(f"--nproc {nproc}: calibrating messages needs 2 ranks or more")
+        raise UsageError(f"--ranks {nproc}: calibrating messages needs 2 ranks or more")
     module = host_module(host)
     jobs = module.calibration_jobs(list(argv), nproc)
     cpus = os.cpu_count() or nproc
@@ -123,8 +131,10 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
             say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
                 f"{steps_measured[-1][2] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s")
     if not steps_measured:
-        raise RuntimeError(f"no calibration job of --host {host} ran; the first:\n{failures[0][1]}" if failures
-                           else f"--host {host} proposed no calibration job for these arguments")
+        if failures:
+            raise HostJobsFailed(f"no calibration job of --host {host} ran (each failed twice); the first, "
+                                 f"{failures[0][0]}, ended so:", failures[0][1])
+        raise HostJobsFailed(f"--host {host} proposed no calibration job for these arguments", "")
     messages = measure_messages(nproc)
     profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
     grid = steps_measured[0][1].grid

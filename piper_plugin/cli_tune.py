@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from piper_plugin.cli_args import UsageError, check_seq, positive_int
@@ -162,7 +163,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int:
     """``piper calibrate --host NAME [--ranks N] [--steps S] --out P -- <host arguments>``."""
-    from piper_plugin.calibrate_host import calibrate_host
+    from piper_plugin.calibrate_host import HostJobsFailed, calibrate_host
 
     if args.host is None:
         raise UsageError(f"unrecognized arguments {' '.join(host_args)}: a host's arguments go after --host NAME --, "
@@ -176,7 +177,12 @@ def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int
             args.link, "--out", str(args.out.resolve()), "--", *host_args])
         if code is not None:
             return code
-    profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps)
+    try:
+        profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps)
+    except HostJobsFailed as exc:
+        print(f"piper: error: {exc}", file=sys.stderr)
+        print(exc.details, file=sys.stderr)
+        return 1
     if args.link is not None:
         profile["link"] = args.link
     args.out.write_text(json.dumps(profile, indent=1))

@@ -97,6 +97,19 @@ def test_host_calibration_errors_are_one_line(capsys, tmp_path):
         assert result.stderr.count("piper: error:") == 1 and message in result.stderr, (argv, result.stderr)
 
 
+def test_jobs_that_all_fail_end_in_one_line_and_the_first_output(capsys, tmp_path, monkeypatch):
+    import piper_plugin.calibrate_host as calibrate_host
+
+    runs = []
+    monkeypatch.setattr(calibrate_host, "run_host_job", lambda *a, **k: runs.append(a) or (3, "warming up\nboom"))
+    result = _piper(capsys, "calibrate", "--host", "megatron", "--out", str(tmp_path / "p.json"), "--",
+                    *MEGATRON)
+    assert result.returncode == 1 and result.stderr.count("piper: error:") == 1, result.stderr
+    assert "no calibration job of --host megatron ran" in result.stderr and "boom" in result.stderr
+    assert len(runs) == 2 * 7  # every job, each once more
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
     path = tmp_path / "host.json"
     path.write_text(json.dumps({"host": "torchtitan", "model": "torchtitan: --config x"}))

@@ -109,8 +109,7 @@ class PiperForwardBackward:
                 print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) predicted with cost profile "
                       f"{self.profile}: step {predicted.step_time * 1e3:.1f} ms, bubble "
                       f"{predicted.bubble_fraction:.3f}", flush=True)
-            if self.trace is not None:
-                engine.trace = StepTrace(self.trace, engine.plan, engine.plan_rank, dist.get_rank(), engine.program)
+            engine.trace_dir = self.trace  # a StepTrace made at the engine's first training step
             self._cached = (key, engine)
         return self._cached[1]
 
@@ -218,7 +217,7 @@ class _Engine:
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
         self._reduce_after = _last_backwards(plan, plan_rank)
         self._no_sync: dict[int, Any] = {}
-        self.plan_rank, self.trace = plan_rank, None  # ``trace``: a StepTrace when asked for
+        self.plan_rank, self.trace_dir, self.trace = plan_rank, None, None  # --piper-trace's folder, its StepTrace
         self.executor = Executor(plan, program, plan_rank, LocalChunks(self.stages), None, specs=specs,
                                  optimizer_fn=None, after_task=self._after,
                                  config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
@@ -274,7 +273,9 @@ class _Engine:
             self._disable_sync()
             started = time.perf_counter()
             self.executor.step(microbatches=inputs, compute_context=self._context)
-            if self.trace is not None:
+            if self.trace_dir is not None:  # evaluation-only engines never write one
+                if self.trace is None:
+                    self.trace = StepTrace(self.trace_dir, self.plan, self.plan_rank, dist.get_rank(), self.program)
                 self.trace.record(self.executor.runner.timeline, time.perf_counter() - started)
             for stage in sorted(self._no_sync):  # chunks with no backward on this rank (none in a pipeline)
                 self._enable_sync(stage)
