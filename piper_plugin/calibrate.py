@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CALIBRATION_JOBS", "calibrate", "fit_profile", "measure_messages", "cost_model", "read_profile", "fit_compute", "fit_messages", "fit_latency", "task_samples",
-           "fit_latencies", "fit_cpu_share"]
+__all__ = ["CALIBRATION_JOBS", "calibrate", "fit_profile", "measure_messages", "cost_model", "read_profile",
+           "fit_compute", "fit_messages", "fit_latency", "task_samples", "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
 # (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level, chunks per
@@ -169,7 +169,6 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     shared = cpus if ranks > cpus else None  # more ranks than cores: they share them
     samples: list[tuple[str, tuple[float, ...], float]] = []
     steps_measured: list[tuple[str, Any, float]] = []  # (job, plan, median step of the slowest rank)
-    message_job = None
     for recipe, grid, m, zero, chunks in CALIBRATION_JOBS:
         pp = ranks if grid == "all" else 1
         dp = ranks // pp
@@ -195,13 +194,10 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
         samples += task_samples(plan, {r: result["timeline"] for r, result in per_rank.items()}, shared)
         say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
-        message_job = message_job or (job, program, plan)
-    if message_job is None:
+    if not steps_measured:
         raise ValueError(f"batch {batch} does not split into any calibration job's microbatches on {ranks} ranks; "
                          f"use a batch that is a multiple of {8 * ranks}")
-    job, program, plan = message_job
-    messages = run_forked(job, program, plan, body=_message_body(repeats=20))[0]
-    profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    profile = fit_profile(samples, steps_measured, measure_messages(ranks), cores=shared, say=say)
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks, **profile}
 
 

@@ -5,10 +5,11 @@ A host adapter registers a module in the ``piper_plugin.calibration`` entry-poin
 TorchTitan's and Megatron's do) with:
 
 - ``program``: the module its ranks run (``python -m torch.distributed.run ... -m <program>``);
-- ``calibration_jobs(argv, nproc)``: the ``(recipe, microbatches, stages per rank)`` triples that
-  fit the user's command (recipes of its stage layout, one of them splitting the backward, and
-  where the model allows, of another layout, so the regions differ in size; microbatch counts
-  that divide its batch), checking ``argv`` first (a UsageError names the flag);
+- ``calibration_layouts(argv, nproc)``: ``(batch, layouts)``, checking ``argv`` first (a
+  UsageError names the flag): the sequences per pipeline per step, and the stage layouts the
+  host can run for the command as ``(stages per rank, recipe, recipe splitting the backward or
+  None)``, the command's own first (others, where the model allows: regions of other sizes);
+  :func:`plan_jobs` makes the jobs of them;
 - ``job_argv(argv, nproc, *, recipe, microbatches, chunks, steps, trace)``: the user's arguments
   with the Piper engine, that recipe, microbatch count and stages per rank, ``steps`` steps and a
   step trace into ``trace`` (:class:`~piper_plugin.StepTrace`); without ``steps`` and ``trace``,
@@ -40,8 +41,8 @@ from typing import Any, Callable, Sequence
 
 from piper_plugin.cli_args import UsageError
 
-__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "run_host_job", "HostJobsFailed",
-           "pack_programs", "unpack_programs", "host_module"]
+__all__ = ["CALIBRATION_HOSTS", "calibration_hosts", "calibrate_host", "plan_jobs", "run_host_job",
+           "HostJobsFailed", "pack_programs", "unpack_programs", "host_module"]
 
 CALIBRATION_HOSTS = "piper_plugin.calibration"  # entry-point group: host name -> its calibration module
 JOB_TIMEOUT_S = 900.0
@@ -58,6 +59,20 @@ def host_module(name: str):
         raise UsageError(f"--host {name!r}: no adapter registered a calibration for it; the hosts are "
                          f"{', '.join(sorted(hosts)) or 'none (install piper_plugin with its adapters)'}")
     return hosts[name].load()
+
+
+def plan_jobs(batch: int, layouts: Sequence[tuple[int, str, str | None]]) -> list[tuple[str, int, int]]:
+    """``(recipe, microbatches, stages per rank)`` of the calibration jobs: at the first (the
+    command's own) layout its recipe at the smallest, a middle and the largest microbatch count
+    ``batch`` divides into, and its split-backward recipe at the middle and largest; at every
+    other layout its recipe at the middle and largest (the fit then tells per-FLOP work from
+    per-task overhead: with one layout every stage varies only with the microbatch)."""
+    counts = [m for m in range(1, batch + 1) if batch % m == 0]
+    low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
+    (own, plain, split), *others = layouts
+    jobs = [(plain, m, own) for m in (low, mid, high)] + [(split, m, own) for m in (mid, high) if split]
+    jobs += [(recipe, m, chunks) for chunks, recipe, _ in others for m in (mid, high)]
+    return list(dict.fromkeys(jobs))
 
 
 class HostJobsFailed(RuntimeError):
@@ -98,7 +113,7 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     if nproc < 2:
         raise UsageError(f"--ranks {nproc}: calibrating messages needs 2 ranks or more")
     module = host_module(host)
-    jobs = module.calibration_jobs(list(argv), nproc)
+    jobs = plan_jobs(*module.calibration_layouts(list(argv), nproc))
     cpus = os.cpu_count() or nproc
     shared = cpus if nproc > cpus else None
     samples: list = []

@@ -108,6 +108,10 @@ def profile_sizes(path: Path) -> dict:
         flag = "--piper-profile" if data["host"] == "megatron" else "--piper.profile"
         raise UsageError(f"--profile {path}: it was measured on --host {data['host']} ({data.get('model')}); "
                          f"a host's plans are its adapter's: pass it to the host's {flag}")
+    return _sizes(data)
+
+
+def _sizes(data: dict) -> dict:
     return {k: data[k] for k in ("model", "layers", "batch", "seq") if k in data}
 
 
@@ -272,6 +276,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from piper_plugin.scheduler.cost import CostModel
     from piper_plugin.tune import search
 
+    sizes: dict = {}
     if args.profile is not None:
         from piper_plugin.calibrate import read_profile
 
@@ -281,9 +286,9 @@ def run_tune(args: argparse.Namespace) -> int:
             raise UsageError(f"--profile: {exc}") from None
         if "host" in data:
             return _run_host_tune(args, data)
+        sizes = _sizes(data)
     if args.ranks is None:
         raise UsageError("--ranks is missing: the number of ranks to plan for, e.g. --ranks 2")
-    sizes = profile_sizes(args.profile) if args.profile is not None else {}
     layers, batch = args.layers or sizes.get("layers", 8), args.batch or sizes.get("batch", 16)
     seq = args.seq or sizes.get("seq", 32)
     check_seq(seq)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from piper_plugin import UsageError
 
-__all__ = ["program", "calibration_jobs", "job_argv", "tunable_recipes", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_layouts", "job_argv", "tunable_recipes", "SET_BY_CALIBRATION"]
 
 program = "piper_plugin.adapters.megatron.pretrain_gpt"
 SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--save", "--load")
@@ -35,32 +35,24 @@ def _checked(argv: Sequence[str], nproc: int):
     return args, parsed
 
 
-def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, int]]:
-    """(recipe, microbatches, model chunks per rank): at the model's layout, two recipes (the
-    second splits the backward) at the smallest, a middle and the largest microbatch count the
-    batch per pipeline allows (the split one at the middle and largest); without a virtual
-    pipeline, and where the layers split over twice the stages, interleaved 1F1B at the middle
-    and largest count too (stages of other sizes: the fit tells the per-FLOP work from the
-    per-task overhead)."""
+def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tuple[int, str, str | None]]]:
+    """(batch per pipeline, layouts): the model's own layout with its two recipes (DualPipeV, the
+    split one of a virtual pipeline, only with untied embeddings: its V puts the first and last
+    stages on one rank), then, without a virtual pipeline and where the layers split over twice
+    the stages, interleaved 1F1B over a virtual pipeline of 2."""
     _, parsed = _checked(argv, nproc)
     vpp = parsed.virtual_pipeline_model_parallel_size
     if vpp not in (None, 2):
         raise UsageError(f"--virtual-pipeline-model-parallel-size {vpp}: the calibration's recipes take 1 or 2 "
                          f"model chunks per rank; calibrate with 2 (or none)")
-    own = vpp or 1
-    plain, split = ("1f1b", "zb-h1") if vpp is None else ("interleaved-1f1b", "dualpipev")
-    if vpp is not None and not parsed.untie_embeddings_and_output_weights:
-        split = None  # DualPipeV's V needs untied embeddings: no split backward measured (BI, BW: half of B)
-    batch = parsed.global_batch_size // parsed.data_parallel_size
-    counts = [m for m in range(1, batch + 1) if batch % m == 0]
-    low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
-    jobs = [(plain, low, own), (plain, mid, own), (plain, high, own)]
-    jobs += [(split, mid, own), (split, high, own)] if split else []
-    pp = parsed.pipeline_model_parallel_size
-    uneven = parsed.decoder_first_pipeline_num_layers or parsed.decoder_last_pipeline_num_layers
-    if vpp is None and not uneven and parsed.num_layers % (2 * pp) == 0:
-        jobs += [("interleaved-1f1b", mid, 2), ("interleaved-1f1b", high, 2)]
-    return list(dict.fromkeys(jobs))
+    if vpp is None:
+        layouts = [(1, "1f1b", "zb-h1")]
+        uneven = parsed.decoder_first_pipeline_num_layers or parsed.decoder_last_pipeline_num_layers
+        if not uneven and parsed.num_layers % (2 * parsed.pipeline_model_parallel_size) == 0:
+            layouts.append((2, "interleaved-1f1b", None))
+    else:  # without DualPipeV no split backward is measured (BI, BW: half of B)
+        layouts = [(2, "interleaved-1f1b", "dualpipev" if parsed.untie_embeddings_and_output_weights else None)]
+    return parsed.global_batch_size // parsed.data_parallel_size, layouts
 
 
 def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,

@@ -73,11 +73,10 @@ class PiperForwardBackward:
                  trace: str | None = None, profile: str | None = None):
         if zero is not None and zero not in LEVELS:
             raise ArgumentError(f"--piper-zero {zero}: the level is one of {', '.join(map(str, LEVELS))}")
-        if profile is not None:
-            try:
-                cost_model(profile)
-            except ValueError as exc:
-                raise ArgumentError(f"--piper-profile: {exc}") from None
+        try:
+            self._cost = cost_model(profile) if profile is not None else None
+        except ValueError as exc:
+            raise ArgumentError(f"--piper-profile: {exc}") from None
         self.recipe, self.timeout_s, self.zero = recipe, timeout_s, zero
         self.trace, self.profile = trace, profile
         self._cached: tuple[tuple, _Engine] | None = None
@@ -104,8 +103,8 @@ class PiperForwardBackward:
                                     "batch layout")
             engine = _Engine(chunks, num_microbatches, micro_batch_size, shape, config, self.recipe, self.timeout_s,
                              pg_collection, self.zero)
-            if self.profile is not None and dist.get_rank() == 0:
-                predicted = simulate(engine.plan, cost_model(self.profile))
+            if self._cost is not None and dist.get_rank() == 0:
+                predicted = simulate(engine.plan, self._cost)
                 print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) predicted with cost profile "
                       f"{self.profile}: step {predicted.step_time * 1e3:.1f} ms, bubble "
                       f"{predicted.bubble_fraction:.3f}", flush=True)

@@ -16,9 +16,9 @@ from typing import Sequence
 
 from piper_plugin import UsageError
 
-from piper_plugin.adapters.torchtitan.ray_launch import titan_argv
+from piper_plugin.adapters.torchtitan.ray_launch import flag_value, titan_argv
 
-__all__ = ["program", "calibration_jobs", "job_argv", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_layouts", "job_argv", "SET_BY_CALIBRATION"]
 
 program = "torchtitan.train"
 SET_BY_CALIBRATION = ("--piper.recipe", "--parallelism.pipeline_parallel_microbatch_size", "--training.steps",
@@ -40,9 +40,10 @@ def _checked(argv: Sequence[str]) -> list[str]:
         for spelling in _spellings(flag):
             if any(a == spelling or a.startswith(spelling + "=") for a in args):
                 raise UsageError(f"{spelling}: piper calibrate sets it for each of its jobs; leave it out")
-    for a in args:
-        if a.startswith(_spellings("--parallelism.pipeline_engine")) and not a.endswith("piper") and "=" in a:
-            raise UsageError(f"{a}: the calibration measures Piper's engine; leave the flag out")
+    engine = flag_value(args, *_spellings("--parallelism.pipeline_engine"))
+    if engine not in (None, "piper"):
+        raise UsageError(f"--parallelism.pipeline_engine {engine}: the calibration measures Piper's engine; leave "
+                         f"the flag out")
     return args
 
 
@@ -68,23 +69,12 @@ def _layouts(config) -> list[int]:
     return [own, 3 - own]
 
 
-def calibration_jobs(argv: Sequence[str], nproc: int) -> list[tuple[str, int, int]]:
-    """(recipe, microbatches, stages per rank): at the config's stage layout, two recipes (the
-    second splits the backward) at the smallest, a middle and the largest microbatch count its
-    local batch allows (the split one at the middle and largest); at the other layout, where the
-    config leaves the stages to the schedule, its first recipe at the middle and largest count
-    (stages of other sizes: the fit tells the per-FLOP work from the per-task overhead)."""
+def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tuple[int, str, str | None]]]:
+    """(local batch, layouts): the config's own stage layout with its two recipes (the second
+    splits the backward), then the other where the config leaves the stages to the schedule."""
     config = _config(_checked(argv))
-    batch = config.training.local_batch_size
-    counts = [m for m in range(1, batch + 1) if batch % m == 0]
-    low, mid, high = counts[0], counts[len(counts) // 2], counts[-1]
-    own, *other = _layouts(config)
-    plain, split = _MULTI if own == 2 else _SINGLE
-    jobs = [(plain, low, own), (plain, mid, own), (plain, high, own), (split, mid, own), (split, high, own)]
-    for chunks in other:
-        recipe = (_MULTI if chunks == 2 else _SINGLE)[0]
-        jobs += [(recipe, mid, chunks), (recipe, high, chunks)]
-    return list(dict.fromkeys(jobs))
+    layouts = [(chunks, *(_MULTI if chunks == 2 else _SINGLE)) for chunks in _layouts(config)]
+    return config.training.local_batch_size, layouts
 
 
 def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,

@@ -40,7 +40,7 @@ from piper_plugin import HostRank, UsageError, launch_host
 from piper_plugin.adapters.torchtitan import config_names
 from piper_plugin.adapters.torchtitan.launch import train_main
 
-__all__ = ["add_launch_parser", "run_launch", "launch", "titan_argv", "TitanRank", "PIPER_MODULE"]
+__all__ = ["add_launch_parser", "run_launch", "launch", "titan_argv", "flag_value", "TitanRank", "PIPER_MODULE"]
 
 PIPER_MODULE = "piper_plugin.adapters.torchtitan"
 _EXAMPLE = "piper launch --nproc 2 -- --config llama3_debugmodel_pp2_1f1b --parallelism.pipeline_engine=piper"
@@ -109,7 +109,7 @@ class _LaunchParser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def _flag_value(argv: Sequence[str], *names: str) -> str | None:
+def flag_value(argv: Sequence[str], *names: str) -> str | None:
     """The value of the last ``--name V`` / ``--name=V`` in ``argv`` (None if absent)."""
     value = None
     for i, arg in enumerate(argv):
@@ -147,10 +147,10 @@ def titan_argv(titan_args: Sequence[str]) -> list[str]:
         raise UsageError(f"unexpected argument {args[0]!r}: TorchTitan's arguments go after --, e.g. {_EXAMPLE}")
     if not args:
         raise UsageError(f"no TorchTitan arguments: put them after --, e.g. {_EXAMPLE}")
-    module = _flag_value(args, "--module")
+    module = flag_value(args, "--module")
     if module is None:
         args = ["--module", PIPER_MODULE, *args]
-    config = _flag_value(args, "--config")
+    config = flag_value(args, "--config")
     if config is None:
         raise UsageError("--config is missing after --: name a config function, e.g. -- --config "
                          "llama3_debugmodel_pp2_1f1b")
@@ -158,7 +158,7 @@ def titan_argv(titan_args: Sequence[str]) -> list[str]:
         problem = config_names.unknown(config)
         if problem:
             raise UsageError(f"--config {config!r}: {problem}")
-    engine = _flag_value(args, "--parallelism.pipeline_engine", "--parallelism.pipeline-engine")
+    engine = flag_value(args, "--parallelism.pipeline_engine", "--parallelism.pipeline-engine")
     choices = _engine_choices() if module in (None, PIPER_MODULE) else ()
     if engine is not None and choices and engine not in choices:
         raise UsageError(f"--parallelism.pipeline_engine {engine!r} is not an engine: use one of {', '.join(choices)}")
