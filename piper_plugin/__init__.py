@@ -21,8 +21,10 @@ nothing else from the engine.
   blocks in a measured timeline: :func:`overlap_blocks` (a plan rank's blocks) and
   :func:`block_overlap` (how much of each member's communication ran under another's compute);
   a host's steps as they run: :class:`StepTrace` (a trace folder), read back by
-  :func:`read_step_traces` (:class:`TracedSteps`); a calibrated profile's cost model:
-  :func:`cost_model` (``piper calibrate``)
+  :func:`read_step_traces` (:class:`TracedSteps`); a calibrated profile (``piper calibrate``,
+  read by :func:`read_profile`): its cost model :func:`cost_model`, a plan's region memory as
+  it measured them :func:`with_measured_memory`, a plan predicted with both
+  :func:`predict_plan` and said in a line :func:`prediction_line`
 - run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig` (it checks
   the plan hash across ranks as it starts; :func:`check_plan_hash` does so earlier);
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
@@ -66,7 +68,8 @@ from piper_plugin.training import RunResult, run
 from piper_plugin.train_report import measured_costs, measured_result, write_trace
 from piper_plugin.overlap_report import block_overlap, overlap_blocks
 from piper_plugin.step_trace import StepTrace, TracedSteps, read_step_traces
-from piper_plugin.calibrate import cost_model
+from piper_plugin.measured_memory import with_measured_memory
+from piper_plugin.calibrate import cost_model, predict_plan, prediction_line, read_profile
 from piper_plugin.cli_args import UsageError
 
 __all__ = [
@@ -76,7 +79,8 @@ __all__ = [
     "recipes",
     "compile", "compile_program", "Compiled", "build_plan", "Plan", "simulate", "SimResult", "CostModel",
     "measured_result", "measured_costs", "write_trace", "overlap_blocks", "block_overlap",
-    "StepTrace", "TracedSteps", "read_step_traces", "cost_model",
+    "StepTrace", "TracedSteps", "read_step_traces", "cost_model", "read_profile", "with_measured_memory",
+    "predict_plan", "prediction_line",
     "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
     "Job", "Worker", "run", "RunResult", "start_ray", "HostRank", "launch_host",

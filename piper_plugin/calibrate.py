@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 __all__ = ["CALIBRATION_JOBS", "calibrate", "fit_profile", "measure_messages", "cost_model", "read_profile",
+           "predict_plan", "prediction_line",
            "fit_compute", "fit_messages", "fit_latency", "task_samples", "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
@@ -358,3 +359,24 @@ def cost_model(profile: dict[str, Any] | str | Path):
         if not where:
             raise
         raise _not_a_profile(where, exc) from None
+
+
+def predict_plan(plan, profile: dict[str, Any]):
+    """``plan`` simulated at the profile's costs, with the region memory it measured where it
+    measured that plan's stage count (:func:`~piper_plugin.measured_memory.with_measured_memory`):
+    ``(SimResult, whether the memory is measured)``."""
+    from piper_plugin.measured_memory import with_measured_memory
+    from piper_plugin.scheduler.simulate import simulate
+
+    measured = with_measured_memory(plan, profile)
+    return simulate(measured, cost_model(profile)), measured is not plan
+
+
+def prediction_line(plan, profile: dict[str, Any], name: str) -> str:
+    """What a host's ``--piper.profile`` / ``--piper-profile`` logs: the plan's step, bubble and
+    peak transient memory per rank as the profile (its file ``name``) predicts them."""
+    result, measured = predict_plan(plan, profile)
+    peaks = " / ".join(f"{b / 2 ** 20:.1f}" for b in result.peak_transient_bytes)
+    return (f"predicted with cost profile {name}: step {result.step_time * 1e3:.1f} ms, bubble "
+            f"{result.bubble_fraction:.3f}, peak transient per rank {peaks} MiB "
+            f"({'measured' if measured else 'estimated'} region memory)")

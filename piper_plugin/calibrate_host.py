@@ -106,6 +106,7 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     left out, its output kept in the profile's ``failed_jobs``; none succeeding raises
     :class:`HostJobsFailed` with the first failure's output."""
     from piper_plugin.calibrate import WARMUP_STEPS, fit_profile, measure_messages, task_samples
+    from piper_plugin.measured_memory import memory_samples, stage_count
     from piper_plugin.step_trace import read_step_traces
 
     if steps <= WARMUP_STEPS:
@@ -119,6 +120,8 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     samples: list = []
     steps_measured: list[tuple[str, Any, float]] = []
     programs: dict[int, Any] = {}  # stage count -> the host's program (for piper tune)
+    memory: dict[int, list] = {}  # stage count -> (region, part, scale, bytes) the jobs' meters measured
+    peaks: list[dict[int, int]] = []  # per job: plan rank -> its measured peak transient bytes
     failures: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
         for recipe, m, chunks in jobs:
@@ -142,6 +145,9 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
             if traced.program is not None:
                 programs.setdefault(len({r.stage for r in traced.program.regions.values()}), traced.program)
             steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
+            memory.setdefault(stage_count(plan.dag.regions), []).extend(
+                memory_samples(plan, traced.windows, traced.kept_for_weights))
+            peaks.append(traced.peak_transient)
             samples += task_samples(plan, traced.timelines, shared)
             say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
                 f"{steps_measured[-1][2] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s")
@@ -152,11 +158,37 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
         raise HostJobsFailed(f"--host {host} proposed no calibration job for these arguments", "")
     messages = measure_messages(nproc)
     profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    profile["memory"] = _fit_memory(memory)
+    _check_memory(profile, steps_measured, peaks, say)
     grid = steps_measured[0][1].grid
     return {"model": f"{host}: {shlex.join(argv)}", "host": host, "host_args": list(argv), "ranks": nproc,
             "grid": {"pp": grid.pp, "dp": grid.dp, "ep": grid.ep}, **profile,
             "failed_jobs": [{"job": name, "output": out} for name, out in failures],
             "programs": pack_programs(programs)}
+
+
+def _fit_memory(samples: dict[int, list]) -> dict[str, Any]:
+    from piper_plugin.measured_memory import fit_memory
+
+    return {str(stages): fit_memory(points) for stages, points in sorted(samples.items()) if points}
+
+
+def _check_memory(profile: dict[str, Any], steps_measured: list, peaks: list[dict[int, int]],
+                  say: Callable[[str], None]) -> None:
+    """Each job's peak transient bytes per plan rank, measured and as the simulator predicts them
+    with the memory just fitted (into the profile's ``jobs``)."""
+    from piper_plugin.measured_memory import with_measured_memory
+    from piper_plugin.scheduler.simulate import simulate
+
+    for job, (name, plan, _), measured in zip(profile["jobs"], steps_measured, peaks):
+        if not measured:
+            continue
+        predicted = simulate(with_measured_memory(plan, profile)).peak_transient_bytes
+        job["measured_peak_transient_bytes"] = [measured.get(r) for r in range(len(predicted))]
+        job["predicted_peak_transient_bytes"] = predicted
+        say(f"calibrate  {name}: peak transient per rank predicted "
+            f"{' / '.join(f'{b / 2**20:.1f}' for b in predicted)} MiB, measured "
+            f"{' / '.join('?' if b is None else f'{b / 2**20:.1f}' for b in job['measured_peak_transient_bytes'])} MiB")
 
 
 def _tail(log: str, lines: int = 40) -> str:

@@ -227,10 +227,11 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
     command that runs it is printed."""
     from piper_plugin.calibrate import cost_model
     from piper_plugin.calibrate_host import host_module, unpack_programs
+    from piper_plugin.measured_memory import with_measured_memory
     from piper_plugin.recipes import load as load_recipe
     from piper_plugin.tune import search
 
-    programs = unpack_programs(data)
+    programs = {n: with_measured_memory(p, data) for n, p in unpack_programs(data).items()}
     if not programs:
         raise UsageError(f"--profile {args.profile}: it keeps no program of the host's model (an older "
                          f"calibration); run piper calibrate --host {data['host']} again")

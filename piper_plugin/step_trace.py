@@ -8,7 +8,11 @@ Megatron); ``piper calibrate --host`` reads them. The folder holds:
 - ``rank<process rank>.json``, rewritten after every step: ``plan_rank``, ``step`` (steps so
   far), ``timeline`` (``[stream, task, start s, end s]`` of the latest step), ``blocks`` (the
   plan rank's overlap blocks, :func:`~piper_plugin.overlap_blocks`) and ``step_seconds`` (the
-  wall time of every step so far).
+  wall time of every step so far); where the writer gave its memory meter also
+  ``peak_transient_bytes`` (every step's peak of what comes and goes: activations, messages,
+  working memory; the meter's :attr:`peak`) and ``windows`` (``[task, count, change, rise]`` of
+  the latest step's memory windows, :meth:`MemoryMeter.windows`) and ``kept_for_weights`` (per
+  input-gradient task of that step, the bytes it left for its weight pass).
 
 Invariants: a step's seconds are this process's wall time in the plan's executor (the pipeline
 step: no optimizer, no data loading); every process of a step writes the same ``step``; start
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import pickle
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,7 @@ class StepTrace:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.blocks = overlap_blocks(plan, plan_rank)
         self.step_seconds: list[float] = []
+        self.peaks: list[int] = []
         if process_rank == 0:
             with open(self.folder / "plan.pkl", "wb") as f:
                 pickle.dump(plan, f)
@@ -43,25 +48,38 @@ class StepTrace:
                 with open(self.folder / "program.pkl", "wb") as f:
                     pickle.dump(program, f)
 
-    def record(self, timeline: list, seconds: float) -> None:
-        """After a step: its measured timeline (``(stream, task, start, end)`` entries) and wall time."""
+    def record(self, timeline: list, seconds: float, meter=None) -> None:
+        """After a step: its measured timeline (``(stream, task, start, end)`` entries) and wall
+        time; with ``meter`` (the executor's memory meter) its memory too."""
         self.step_seconds.append(float(seconds))
         entries = [[stream, key, start, end] for stream, key, start, end in timeline]
-        (self.folder / f"rank{self.process_rank}.json").write_text(json.dumps(
-            {"plan_rank": self.plan_rank, "step": len(self.step_seconds), "timeline": entries,
-             "blocks": self.blocks, "step_seconds": self.step_seconds}))
+        record = {"plan_rank": self.plan_rank, "step": len(self.step_seconds), "timeline": entries,
+                  "blocks": self.blocks, "step_seconds": self.step_seconds}
+        if meter is not None:
+            self.peaks.append(int(meter.peak))
+            record["peak_transient_bytes"] = self.peaks
+            record["windows"] = [[task, count, change, rise]
+                                 for (task, count), (change, rise) in sorted(meter.windows().items())]
+            record["kept_for_weights"] = dict(meter.kept_for_weights)
+        (self.folder / f"rank{self.process_rank}.json").write_text(json.dumps(record))
 
 
 @dataclass
 class TracedSteps:
     """What a trace folder holds: the plan, each plan rank's latest timeline (its first process's,
     where data-parallel replicas share a plan rank), per step the slowest process's seconds, and
-    the program (None where the writer gave none)."""
+    the program (None where the writer gave none). Where the writer recorded memory: per plan
+    rank the latest step's peak transient bytes (the highest of its processes), its first
+    process's memory windows ``(task, count, change, rise)`` and what its input-gradient tasks
+    kept for their weight passes; empty otherwise."""
 
     plan: Any
     timelines: dict[int, list[tuple[str, str, float, float]]]
     step_seconds: list[float]
     program: Any = None
+    peak_transient: dict[int, int] = field(default_factory=dict)
+    windows: dict[int, list[tuple[str, int, int, int]]] = field(default_factory=dict)
+    kept_for_weights: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def median_step(self, skip: int) -> float:
         """The median step after the first ``skip`` (warm-up)."""
@@ -84,11 +102,18 @@ def read_step_traces(folder: str | Path) -> TracedSteps:
     if len({r["step"] for r in ranks}) > 1:
         raise ValueError(f"{folder}: the processes stopped at steps {sorted({r['step'] for r in ranks})}")
     timelines: dict[int, list] = {}
+    peaks: dict[int, int] = {}
+    windows: dict[int, list] = {}
+    kept: dict[int, dict[str, int]] = {}
     for r in ranks:
         timelines.setdefault(r["plan_rank"], [tuple(e) for e in r["timeline"]])
+        if r.get("peak_transient_bytes"):
+            peaks[r["plan_rank"]] = max(peaks.get(r["plan_rank"], 0), r["peak_transient_bytes"][-1])
+            windows.setdefault(r["plan_rank"], [tuple(w) for w in r["windows"]])
+            kept.setdefault(r["plan_rank"], dict(r.get("kept_for_weights", {})))
     steps = [max(r["step_seconds"][i] for r in ranks) for i in range(ranks[0]["step"])]
     program = None
     if (folder / "program.pkl").exists():
         with open(folder / "program.pkl", "rb") as f:
             program = pickle.load(f)
-    return TracedSteps(plan, timelines, steps, program)
+    return TracedSteps(plan, timelines, steps, program, peaks, windows, kept)

@@ -12,13 +12,28 @@ import subprocess
 import pytest
 import torch
 
-from piper_plugin import StepTrace, capture, compile_program, read_step_traces, recipes
+from piper_plugin import StepTrace, capture, compile_program, read_step_traces, recipes, simulate
 from piper_plugin.calibrate_host import run_host_job
 from piper_plugin.cli import main
 from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
 
 BOUNDS = (0.75, 1.33)  # predicted / measured step, on a shared 2-core machine
+MEMORY_BOUNDS = (0.9, 1.1)  # predicted / measured peak transient bytes of each rank (the issue's goal)
 PREDICTED = re.compile(r"predicted with cost profile \S+: step ([\d.]+) ms")
+PREDICTED_PEAKS = re.compile(r"peak transient per rank ([\d. /]+) MiB \((\w+) region memory\)")
+
+
+def _check_peaks(log: str, trace, name: str) -> None:
+    """The predicted line's peak transient memory per rank (from memory the profile measured)
+    against the peaks the run's meters measured."""
+    found = PREDICTED_PEAKS.search(log)
+    assert found and found[2] == "measured", (name, log[-2000:])
+    predicted = [float(x) * 2 ** 20 for x in found[1].split(" / ")]
+    measured = read_step_traces(trace).peak_transient
+    assert sorted(measured) == list(range(len(predicted))), (name, measured)
+    for rank, mib in enumerate(predicted):
+        ratio = mib / measured[rank]
+        assert MEMORY_BOUNDS[0] < ratio < MEMORY_BOUNDS[1], (name, rank, mib, measured[rank])
 
 
 def _piper(capsys, *argv) -> subprocess.CompletedProcess:
@@ -57,6 +72,47 @@ def test_a_step_trace_reads_back_each_steps_slowest_process(tmp_path):
         read_step_traces(tmp_path / "elsewhere")
 
 
+def test_memory_measured_by_a_trace_replaces_the_programs_figures_at_its_stage_count(tmp_path):
+    """The meter's windows of one traced step become per-region samples (a task's windows added
+    up in turn), fitted as batch part x scale + fixed part; a plan of the measured stage count
+    gets them (a copy: the plan itself keeps its own), others stay as they are."""
+    from piper_plugin import MemoryMeter, with_measured_memory
+    from piper_plugin.measured_memory import fit_memory, memory_samples
+
+    plan = _toy_plan()  # 2 stages, 2 microbatches: each a scale of 1/2
+    meter = MemoryMeter()
+    meter.add(700)
+    trace = StepTrace(tmp_path, plan, plan_rank=0, process_rank=0)
+    trace.record([], 0.1, meter)
+    traced = read_step_traces(tmp_path)
+    assert traced.peak_transient == {0: 700} and traced.windows == {0: []}
+    # rank 0: the first forward saves 50 bytes its microbatches share, 0B0 runs split around its
+    # sends (two windows: input gradients, keeping 7 bytes, then weight gradients); rank 1 ran one forward
+    windows = {0: [("0F0", 0, 150, 150), ("0F1", 0, 100, 100), ("0B0", 0, -60, 30), ("0B0", 1, -40, 50),
+                   ("0B1", 0, -150, 20)],
+               1: [("1F0", 0, 330, 330)]}
+    samples = memory_samples(plan, windows, {0: {"0B0": 7}})
+    assert sorted(samples) == [("0", "full", 0.5, 20), ("0", "inputs", 0.5, 30), ("0", "kept", 0.5, 7),
+                               ("0", "saved", 0.5, 100), ("0", "shared", 0.5, 50), ("0", "weights", 0.5, 50),
+                               ("1", "single", 0.5, 330)]
+    more = [("0", "full", 0.25, 15), ("1", "shared", 0.25, 30)]  # 20 = 20 x 1/2 + 10, 15 = 20 x 1/4 + 10
+    fitted = fit_memory(samples + more)
+    assert fitted == {"0": {"full": [20, 10], "inputs": [60, 0], "kept": [14, 0], "saved": [200, 0],
+                            "shared": [50, 0], "weights": [100, 0]},
+                      "1": {"saved": [600, 0], "shared": [30, 0]}}  # 330 less the shared 30, at 1/2
+    measured = with_measured_memory(plan, {"memory": {"2": fitted}})
+    regions = measured.dag.regions
+    assert (regions["0"].activation_bytes, regions["1"].activation_bytes) == (200, 600)
+    assert regions["0"].shared_activation_bytes == 50
+    shared = with_measured_memory(plan, {"memory": {"2": {"0": {"shared": [1 << 20, 0]}}}})
+    before, after = simulate(plan).peak_transient_bytes, simulate(shared).peak_transient_bytes
+    assert after == [before[0] + (1 << 20), before[1]]  # held once, over every microbatch of stage 0
+    assert regions["0"].backward.full.at(0.5) == 20 and regions["0"].backward.kept.at(0.5) == 7
+    assert regions["1"].backward == plan.dag.regions["1"].backward
+    assert plan.dag.regions["0"].activation_bytes != 200  # the plan itself is untouched
+    assert with_measured_memory(plan, {"memory": {"4": fitted}}) is plan
+
+
 def test_megatron_stages_carry_flops_and_activations_that_scale_with_their_layers():
     from piper_plugin.adapters.megatron.program import build_program
 
@@ -75,6 +131,7 @@ def test_megatron_stages_carry_flops_and_activations_that_scale_with_their_layer
     assert last.matmul_flops == 2 * per_layer + 2 * tokens * 128 * 64
     hidden = 32 * 4 * 64 * 4
     assert (first.activation_bytes, last.activation_bytes) == (18 * hidden, 35 * hidden)
+    assert not first.backward_splits and not last.backward_splits  # Megatron's linears: one-call backwards
 
 
 def test_host_calibration_errors_are_one_line(capsys, tmp_path):
@@ -125,6 +182,10 @@ def _check_jobs(profile: dict) -> None:
     for job in profile["jobs"]:
         ratio = job["predicted_step_s"] / job["measured_step_s"]
         assert BOUNDS[0] < ratio < BOUNDS[1], job
+        for predicted, measured in zip(job["predicted_peak_transient_bytes"], job["measured_peak_transient_bytes"],
+                                       strict=True):
+            assert MEMORY_BOUNDS[0] < predicted / measured < MEMORY_BOUNDS[1], job
+    assert profile["memory"].keys() == profile["programs"].keys()  # every stage count's regions measured
 
 
 @pytest.mark.slow
@@ -160,6 +221,7 @@ def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tm
         predicted = float(PREDICTED.search(run.log)[1]) / 1e3
         ratio = predicted / read_step_traces(trace).median_step(2)
         assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)
+        _check_peaks(run.log, trace, name)
 
 
 MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidden-size", "256",
@@ -191,3 +253,4 @@ def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
         assert code == 0, (name, log[-3000:])
         ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
         assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)
+        _check_peaks(log, trace, name)

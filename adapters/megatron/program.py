@@ -222,7 +222,8 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
             value_bytes={v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs},
             activation_bytes=_activation_bytes(params[s], hidden_bytes),
             param_bytes=sum(b for _, _, b in params[s]),
-            flops=6 * tokens * numel, matmul_flops=_matmul_flops(params[s], tokens, hidden_shape))
+            flops=6 * tokens * numel, matmul_flops=_matmul_flops(params[s], tokens, hidden_shape),
+            backward_splits=not _custom_linears(params[s]))
     return MegatronProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),
         batch_size=microbatch_size * microbatches, param_bytes=param_bytes, param_shapes=param_shapes,
@@ -238,6 +239,13 @@ def _activation_bytes(params: list[tuple[str, tuple[int, ...], int]], hidden_byt
     counted as 4), and the stage's output."""
     layers = {m.group(1) for name, _, _ in params if (m := re.search(r"layers\.(\d+)\.", name))}
     return hidden_bytes * (1 + ACTIVATIONS_PER_LAYER * max(len(layers), 1))
+
+
+def _custom_linears(params: list[tuple[str, tuple[int, ...], int]]) -> bool:
+    """Whether a stage holds Megatron's linear layers (any 2-D weight outside the embeddings):
+    custom autograd Functions that compute the input and the weight gradient in one call, so the
+    stage's backward does not split (``Region.backward_splits``; the plan runs a BI of it whole)."""
+    return any(len(shape) == 2 and "embedding" not in name for name, shape, _ in params)
 
 
 def _matmul_flops(params: list[tuple[str, tuple[int, ...], int]], tokens: int, hidden_shape) -> int:

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from piper_plugin import (
     DirectiveError, Executor, ExecutorConfig, Schedule, StepTrace, UsageError, ValueSpec, compile_program, cost_model,
-    recipes, simulate,
+    prediction_line, read_profile, recipes,
 )
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
@@ -74,7 +74,9 @@ class PiperForwardBackward:
         if zero is not None and zero not in LEVELS:
             raise ArgumentError(f"--piper-zero {zero}: the level is one of {', '.join(map(str, LEVELS))}")
         try:
-            self._cost = cost_model(profile) if profile is not None else None
+            self._profile = read_profile(profile) if profile is not None else None
+            if self._profile is not None:
+                cost_model(self._profile)  # a profile this version cannot read fails here, before step 1
         except ValueError as exc:
             raise ArgumentError(f"--piper-profile: {exc}") from None
         self.recipe, self.timeout_s, self.zero = recipe, timeout_s, zero
@@ -102,13 +104,10 @@ class PiperForwardBackward:
                                     "count or sequence shape; make one forward-backward function per model and "
                                     "batch layout")
             engine = _Engine(chunks, num_microbatches, micro_batch_size, shape, config, self.recipe, self.timeout_s,
-                             pg_collection, self.zero)
-            if self._cost is not None and dist.get_rank() == 0:
-                predicted = simulate(engine.plan, self._cost)
-                print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) predicted with cost profile "
-                      f"{self.profile}: step {predicted.step_time * 1e3:.1f} ms, bubble "
-                      f"{predicted.bubble_fraction:.3f}", flush=True)
-            engine.trace_dir = self.trace  # a StepTrace made at the engine's first training step
+                             pg_collection, self.zero, trace_dir=self.trace)
+            if self._profile is not None and dist.get_rank() == 0:
+                print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) "
+                      f"{prediction_line(engine.plan, self._profile, self.profile)}", flush=True)
             self._cached = (key, engine)
         return self._cached[1]
 
@@ -152,7 +151,10 @@ class _Engine:
     """One compiled plan and its executor for this rank's chunks."""
 
     def __init__(self, chunks: list[nn.Module], microbatches: int, micro_batch_size: int, shape, config,
-                 recipe: str | None, timeout_s: float, pg_collection, zero: int | None = None):
+                 recipe: str | None, timeout_s: float, pg_collection, zero: int | None = None,
+                 trace_dir: str | None = None):
+        """``trace_dir``: ``--piper-trace``'s folder (its StepTrace is made at the first training
+        step, with the memory meter: saved activations are counted only when tracing)."""
         from megatron.core import parallel_state
 
         pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
@@ -216,11 +218,11 @@ class _Engine:
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
         self._reduce_after = _last_backwards(plan, plan_rank)
         self._no_sync: dict[int, Any] = {}
-        self.plan_rank, self.trace_dir, self.trace = plan_rank, None, None  # --piper-trace's folder, its StepTrace
+        self.plan_rank, self.trace_dir, self.trace = plan_rank, trace_dir, None
         self.executor = Executor(plan, program, plan_rank, LocalChunks(self.stages), None, specs=specs,
                                  optimizer_fn=None, after_task=self._after,
                                  config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
-                                                       track_saved_memory=False,
+                                                       track_saved_memory=trace_dir is not None,
                                                        replicas=tuple(tuple(r) for r in replicas)))
         self.last_stage = num_stages - 1
         self.device = next((p.device for p in chunks[0].parameters()), torch.device("cpu"))  # the aux-loss scale's
@@ -275,7 +277,8 @@ class _Engine:
             if self.trace_dir is not None:  # evaluation-only engines never write one
                 if self.trace is None:
                     self.trace = StepTrace(self.trace_dir, self.plan, self.plan_rank, dist.get_rank(), self.program)
-                self.trace.record(self.executor.runner.timeline, time.perf_counter() - started)
+                self.trace.record(self.executor.runner.timeline, time.perf_counter() - started,
+                                  self.executor.state.meter)
             for stage in sorted(self._no_sync):  # chunks with no backward on this rank (none in a pipeline)
                 self._enable_sync(stage)
             if self.config.grad_sync_func is not None:

@@ -21,7 +21,8 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from piper_plugin import (
-    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, cost_model, recipes, simulate,
+    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, cost_model, prediction_line, read_profile,
+    recipes,
 )
 
 from piper_plugin.adapters.torchtitan.alternate import AlternatingSchedule, torch_schedule
@@ -232,12 +233,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 def _predicted_line(plan, profile: str) -> str:
     """``--piper.profile``: the plan's step and bubble as the cost profile predicts them."""
     try:
-        cost = cost_model(profile)
+        data = read_profile(profile)
+        cost_model(data)
     except ValueError as exc:
         raise FlagError(f"--piper.profile: {exc}") from None
-    predicted = simulate(plan, cost)
-    return (f"Piper: predicted with cost profile {profile}: step {predicted.step_time * 1e3:.1f} ms, "
-            f"bubble {predicted.bubble_fraction:.3f}")
+    return f"Piper: {prediction_line(plan, data, profile)}"
 
 
 def _hidden_dtype(parts: dict[int, nn.Module], training, param_dtype: torch.dtype) -> torch.dtype:

@@ -101,6 +101,10 @@ class Region:
     matmuls, attention, convolutions) counted from the traced shapes of the example batch (0:
     not counted, a module region): what a calibrated cost model scales compute time with
     (an embedding lookup costs no FLOPs, attention's grow with the sequence squared).
+    ``shared_activation_bytes``: what the region's forwards save once for every microbatch's
+    graph alive on a rank (a cache they share, such as rotary tables): saved by a forward when
+    none of the region's activations are held, let go when the last are (measured by a host's
+    traced steps, else 0).
     """
 
     name: str
@@ -119,6 +123,7 @@ class Region:
     backward_splits: bool = True
     ops: int = 0
     matmul_flops: int = 0
+    shared_activation_bytes: int = 0
 
 
 @dataclass

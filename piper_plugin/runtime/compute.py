@@ -102,6 +102,7 @@ def _backward_input(state: RankState, node: Node) -> None:
             del state.saved[key], pending
     if key in state.pending_bw:  # counted from here until BW has run
         state.meter.add(state.pending_bw[key].recorded_bytes)
+        state.meter.kept_for_weights[node.key] = state.pending_bw[key].recorded_bytes
     got = iter(got)
     _deliver_input_grads(state, node, leaves, [next(got) if leaf.requires_grad else None for leaf in leaves.values()])
 

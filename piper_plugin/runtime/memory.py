@@ -103,6 +103,7 @@ class MemoryMeter:
         self._replays: dict[tuple, dict[tuple[str, int], tuple[int, int]]] = {}  # shapes -> what two steps agreed on
         self._replay: dict[tuple[str, int], tuple[int, int]] | None = None
         self._opened: dict[str, int] = {}  # windows each task opened this step
+        self.kept_for_weights: dict[str, int] = {}  # this step: BI task -> bytes it keeps for its BW
         self._shapes: tuple | None = None
 
     def add(self, nbytes: int) -> None:
@@ -118,6 +119,13 @@ class MemoryMeter:
             self.saved += change
             self.current += change
 
+    def windows(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """This step's windows as ``(task, its count in the step) -> (change of the saved bytes,
+        their highest rise above the window's start, working memory included)``: as measured, or
+        for a replayed step the measured steps' that it replays (empty while nothing is tracked)."""
+        with self._lock:
+            return dict(self._replay if self._replay is not None else self._log)
+
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = self.current
@@ -132,6 +140,7 @@ class MemoryMeter:
                 self._replays[self._shapes] = log
             self._logs[self._shapes] = log
         self._log, self._shapes, self._opened = {}, shapes, {}
+        self.kept_for_weights = {}
         self._replay = self._replays.get(shapes) if self.track_saved else None
         self.reset_peak()
 

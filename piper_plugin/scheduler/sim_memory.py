@@ -7,8 +7,9 @@ the buffers it allocates while it runs (:func:`_collective_bytes`). A bucket gat
 microbatches at once is one copy (as in the runtime, which counts references to it). A backward
 task also holds its region's working memory while it runs (``Region.backward``, as the runtime
 runs that task: whole, or split in input and weight passes), and an input-gradient pass leaves
-what it recorded for the weight pass until that one finishes. Sent messages are held as
-:class:`TransientMemory` says.
+what it recorded for the weight pass until that one finishes. What a region's forwards share
+(``Region.shared_activation_bytes``) is held once per rank while any of its microbatches'
+activations are. Sent messages are held as :class:`TransientMemory` says.
 
 ZeRO by block (buckets reduced, and at ZeRO-3 gathered, inside a chunk,
 :mod:`piper_plugin.runtime.block_gathers`): at ZeRO-3 a forward holds two blocks' parameters (the
@@ -64,6 +65,8 @@ class TransientMemory:
         self.pinned: dict[tuple[int, str, int], list] = {}
         self.instants: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # zero-length holds
         self.collective: dict[str, int] = {}  # per bucket collective: what it allocates while it runs
+        # per rank, region -> forward -> [its start, when its activations are let go]
+        self.shared: list[dict[str, dict[str, list[float]]]] = [{} for _ in range(world)]
 
     def on_task(self, r: int, key: str, start: float, finish: float) -> None:
         node = self.plan.dag.nodes[key]
@@ -82,6 +85,8 @@ class TransientMemory:
             self._working(r, node, start, finish)
         if node.is_compute and node.region in self.blocks:
             self._block_memory(r, node, start, finish)
+        if node.kind == Kind.F and self.plan.dag.regions[node.region].shared_activation_bytes:
+            self.shared[r].setdefault(node.region, {})[key] = [start, finish]
         if node.kind in self.holding:
             held = self.held.get(key)
             if held is None:
@@ -121,6 +126,9 @@ class TransientMemory:
                         self.gathers[r][producer][1] = finish
                     else:
                         events.append((finish, -nbytes))
+                        made = self.plan.dag.nodes[producer]
+                        if made.kind == Kind.F and made.region in self.shared[r]:
+                            self.shared[r][made.region][producer][1] = finish
                     del waiting[producer]
 
     def _collective(self, r: int, node, start: float, finish: float) -> None:
@@ -206,6 +214,8 @@ class TransientMemory:
                 out.append(out[rep[r]])
                 continue
             events = list(self.events[r]) + _bucket_spans(self.gathers[r].values())
+            for region, spans in self.shared[r].items():
+                events += _while_any(sorted(spans.values()), self.plan.dag.regions[region].shared_activation_bytes)
             for stream in self.plan.ranks[r].posted:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
                 events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
@@ -222,6 +232,19 @@ class TransientMemory:
                     peak = max(peak, level)
             out.append(peak)
         return out
+
+
+def _while_any(spans: list[list[float]], nbytes: int) -> list[tuple[float, int]]:
+    """``nbytes`` held while any of the (sorted) ``spans`` is: once per stretch they cover."""
+    events: list[tuple[float, int]] = []
+    start, end = spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            events += [(start, nbytes), (end, -nbytes)]
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return events + [(start, nbytes), (end, -nbytes)]
 
 
 def _collective_bytes(plan: Plan, node) -> int:
@@ -287,9 +310,13 @@ def _consumers(plan: Plan, r: int, key: str) -> list[str]:
     dag = plan.dag
     node = dag.nodes[key]
     if node.kind == Kind.F:  # activations live until the backward that finishes with them
-        last = Kind.BW if dag.meta.split_backward and dag.regions[node.region].params else (
-            Kind.BI if dag.meta.split_backward else Kind.B)
-        return [s for s in dag.data_succ[key] if dag.nodes[s].kind == last]
+        if not dag.meta.split_backward:
+            return [s for s in dag.data_succ[key] if dag.nodes[s].kind == Kind.B]
+        fused = plan.ranks[r].fused  # a BI run as one whole backward lets them go itself
+        inputs = [s for s in dag.data_succ[key] if dag.nodes[s].kind == Kind.BI]
+        if not dag.regions[node.region].params or (inputs and all(s in fused for s in inputs)):
+            return inputs
+        return [s for s in dag.data_succ[key] if dag.nodes[s].kind == Kind.BW]
     if node.kind in (Kind.B, Kind.BW):  # its gradient payloads: until their reduce-scatters ran
         return [s for s in dag.data_succ[key] if dag.nodes[s].kind == Kind.REDUCE_SCATTER]
     return [s for s in dag.data_succ[key] if r in dag.nodes[s].devices]
