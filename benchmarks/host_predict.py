@@ -16,8 +16,10 @@ calibration kept) and the plan it writes, by the command it prints.
 
 Reported: per schedule the predicted / measured ratio per round and its median; which schedules
 the calibration ran (a recipe and microbatch count among its jobs; the rest it never saw: other
-recipes, microbatch counts or stage counts). Memory is not
-compared here: the hosts' logs give whole-process memory, not the plan's.
+recipes, microbatch counts or stage counts); and each rank's peak transient memory (activations,
+messages, backward working memory: what Piper's plan moves, not the whole process's), as the
+run's memory meter measured it and as the profile predicts it (from the region memory the
+calibration's meters measured).
 
     python -m benchmarks.host_predict                              # the published table
     python -m benchmarks.host_predict --hosts megatron --rounds 1  # a smaller run
@@ -69,6 +71,7 @@ HOSTS: dict[str, tuple[str, list[str], dict[str, list[str]]]] = {
     }),
 }
 PREDICTED = re.compile(r"predicted with cost profile \S+: step ([\d.]+) ms")
+PREDICTED_PEAKS = re.compile(r"peak transient per rank ([\d. /]+) MiB \((\w+) region memory\)")
 TUNED = "tuned (piper tune's first choice)"
 _TUNED = re.compile(r"run it with torchrun --nproc_per_node=\d+ -m \S+ (.*) \(and the run")
 _FIRST = re.compile(r"^\s*1  (.+?)\s{2,}", re.M)
@@ -120,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedules = {**schedules, TUNED: []}  # each round: the tuner's command
         ratios: dict[str, list[float]] = {n: [] for n in names}
         measured: dict[str, list[float]] = {n: [] for n in names}
+        peaks: dict[str, list[tuple[list[float], list[float]]]] = {n: [] for n in names}  # (predicted, measured) MiB
         calibration, calibrated = "", set()
         tuned_as: dict[str, int] = {}  # the tuner's first choice -> rounds it was chosen
         for round_ in range(args.rounds):
@@ -151,29 +155,45 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if code != 0 or found is None:
                     print(f"{host} {name} failed (exit status {code}):\n{log[-3000:]}", file=sys.stderr)
                     return 1
-                step = read_step_traces(trace).median_step(args.warmup)
+                traced = read_step_traces(trace)
+                step = traced.median_step(args.warmup)
                 measured[name].append(step)
                 ratios[name].append(float(found[1]) / 1e3 / step)
+                memory = PREDICTED_PEAKS.search(log)
+                if memory is None or memory[2] != "measured" or not traced.peak_transient:
+                    print(f"{host} {name}: no measured region memory or peaks:\n{log[-3000:]}", file=sys.stderr)
+                    return 1
+                mib = [traced.peak_transient[r] / 2 ** 20 for r in sorted(traced.peak_transient)]
+                peaks[name].append(([float(x) for x in memory[1].split(" / ")], mib))
                 print(f"round {round_ + 1}: {host} {name}: measured {step * 1e3:.1f} ms, predicted / measured "
-                      f"{ratios[name][-1]:.2f}", flush=True)
+                      f"{ratios[name][-1]:.2f}; peak transient predicted / measured "
+                      f"{' '.join(f'{a / b:.2f}' for a, b in zip(*peaks[name][-1]))}", flush=True)
+        def memory_ratios(name: str) -> list[float]:  # every rank of every round
+            return [a / b for predicted, mib in peaks[name] for a, b in zip(predicted, mib)]
+
         rows = [(name, "-" if name == TUNED else "yes" if name.split(" (")[0] in calibrated else "no",
                  f"{median(measured[name]) * 1e3:.1f}", " ".join(f"{r:.2f}" for r in ratios[name]),
-                 f"**{median(ratios[name]):.2f}**") for name in names]
+                 f"**{median(ratios[name]):.2f}**", " / ".join(f"{m:.1f}" for m in peaks[name][-1][1]),
+                 f"{min(memory_ratios(name)):.3f}-{max(memory_ratios(name)):.3f}") for name in names]
         worst = max(abs(median(ratios[n]) - 1) for n in names)
+        worst_memory = max(abs(r - 1) for n in names for r in memory_ratios(n))
         written = [n for n in names if n != TUNED]
         fastest = min(written, key=lambda n: median(measured[n]))
         against = median(measured[TUNED]) / median(measured[fastest])
         sections += [f"## {host}", "", f"Calibrated on: `piper calibrate --host {host} --steps {args.calibrate_steps} "
                      f"-- {' '.join(base)}`", "",
                      markdown_table(("schedule", "a calibration job's", "measured step (ms, median)",
-                                     "predicted / measured per round", "median"), rows), "",
-                     f"Every schedule's median within {worst:.0%}. `piper tune --profile` (the round's "
+                                     "predicted / measured per round", "median",
+                                     "peak transient per rank, measured (MiB, last round)",
+                                     "peak predicted / measured (every rank and round)"), rows), "",
+                     f"Every schedule's median step within {worst:.0%}; every rank's peak transient memory "
+                     f"within {worst_memory:.1%}. `piper tune --profile` (the round's "
                      f"profile) chose: {'; '.join(f'{k} ({v} of {args.rounds} rounds)' for k, v in tuned_as.items())}; "
                      f"its measured median over the fastest other row's ({fastest}): {against:.2f}.",
                      "",
                      "The last round's calibration:", "", "```", calibration, "```", ""]
     text = "\n".join([
-        "# Host cost profiles: predicted against measured steps",
+        "# Host cost profiles: predicted against measured steps and memory",
         "",
         f"Command: `{command_line('host_predict', args, parser)}`",
         "",
