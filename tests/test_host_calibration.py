@@ -130,7 +130,14 @@ def test_megatron_stages_carry_flops_and_activations_that_scale_with_their_layer
     assert first.matmul_flops == per_layer  # the embedding lookup: none
     assert last.matmul_flops == 2 * per_layer + 2 * tokens * 128 * 64
     hidden = 32 * 4 * 64 * 4
-    assert (first.activation_bytes, last.activation_bytes) == (18 * hidden, 35 * hidden)
+    logits = tokens * 128 * 4  # the output layer's (vocab 128 per token)
+    assert (first.activation_bytes, last.activation_bytes) == (18 * hidden, 35 * hidden + logits)
+    # with the head count: each layer's attention probabilities too (heads x seq^2 per sample)
+    heads = build_program(params, microbatch_size=2, microbatches=2, hidden_shape=(32, 2, 64), dtype=torch.float32,
+                          attention_heads=4, model_type="GPTModel")
+    probabilities = 4 * 32 * 32 * 4 * 4
+    assert heads.regions["0"].activation_bytes == 18 * hidden + probabilities
+    assert heads.regions["1"].activation_bytes == 35 * hidden + 2 * probabilities + logits
     assert not first.backward_splits and not last.backward_splits  # Megatron's linears: one-call backwards
 
 

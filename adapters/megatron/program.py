@@ -194,7 +194,7 @@ class MegatronProgram(Program):
 
 def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, microbatch_size: int,
                   microbatches: int, hidden_shape: tuple[int, ...], dtype: torch.dtype,
-                  model_type: str = "") -> MegatronProgram:
+                  model_type: str = "", attention_heads: int = 0) -> MegatronProgram:
     """The single-device DAG of the pipeline's stages, from every stage's parameters
     ``(name in its chunk, shape, bytes)`` (gathered from the ranks that hold them). Sizes are
     for the plan's batch (``microbatch_size * microbatches`` sequences); ``hidden_shape`` is one
@@ -220,7 +220,8 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
         regions[str(s)] = Region(
             name=str(s), stage=s, index=s, tags={"PP": s}, params=names, inputs=inputs, outputs=outputs,
             value_bytes={v: (hidden_bytes if v.startswith("h") else 0) for v in inputs + outputs},
-            activation_bytes=_activation_bytes(params[s], hidden_bytes),
+            activation_bytes=_activation_bytes(params[s], hidden_bytes, hidden_shape, attention_heads,
+                                               torch.finfo(dtype).bits // 8, last=s == num - 1),
             param_bytes=sum(b for _, _, b in params[s]),
             flops=6 * tokens * numel, matmul_flops=_matmul_flops(params[s], tokens, hidden_shape),
             backward_splits=not _custom_linears(params[s]))
@@ -232,13 +233,24 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
         root_type=model_type)
 
 
-def _activation_bytes(params: list[tuple[str, tuple[int, ...], int]], hidden_bytes: int) -> int:
-    """What a stage's forward keeps, estimated (Megatron's stages are not probed): per transformer
-    layer (a distinct ``layers.<i>`` among its parameters) ~17 hidden states (the inputs of its
-    norms, projections and MLP, the attention's q, k, v and output, the MLP's 4x-wide hidden
-    counted as 4), and the stage's output."""
+def _activation_bytes(params: list[tuple[str, tuple[int, ...], int]], hidden_bytes: int, hidden_shape,
+                      heads: int, itemsize: int, last: bool) -> int:
+    """What a stage's forward keeps, estimated (Megatron's stages are not probed; ``piper
+    calibrate --host megatron`` measures it): per transformer layer (a distinct ``layers.<i>``
+    among its parameters) ~17 hidden states (the inputs of its norms, projections and MLP, the
+    attention's q, k, v and output, the MLP's 4x-wide hidden counted as 4) and, with ``heads``
+    given, the attention probabilities the local spec's unfused attention keeps (heads x
+    sequence^2 per sample); on the last stage the logits (the vocabulary from its output layer,
+    or the word embeddings it shares); and the stage's output."""
     layers = {m.group(1) for name, _, _ in params if (m := re.search(r"layers\.(\d+)\.", name))}
-    return hidden_bytes * (1 + ACTIVATIONS_PER_LAYER * max(len(layers), 1))
+    seq, hidden = hidden_shape[0], hidden_shape[-1]
+    samples = hidden_bytes // (seq * hidden * itemsize)  # the program's batch, in sequences
+    probabilities = heads * seq * seq * samples * itemsize
+    vocab = [shape[0] for name, shape, _ in params if len(shape) == 2 and (
+        name.endswith("output_layer.weight") or name.endswith("word_embeddings.weight"))]
+    logits = vocab[0] * seq * samples * itemsize if last and vocab else 0
+    per_layer = hidden_bytes * ACTIVATIONS_PER_LAYER + probabilities
+    return hidden_bytes + per_layer * max(len(layers), 1) + logits
 
 
 def _custom_linears(params: list[tuple[str, tuple[int, ...], int]]) -> bool:

@@ -140,11 +140,17 @@ def _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_c
     from megatron.core import parallel_state
 
     cp = pg_collection.cp.size() if pg_collection is not None else parallel_state.get_context_parallel_world_size()
-    tp = pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
+    tp = _tensor_parallel(pg_collection)
     seq = (decoder_seq_length or seq_length) // cp
     if config.sequence_parallel:
         seq //= tp
     return (seq, micro_batch_size, config.hidden_size)
+
+
+def _tensor_parallel(pg_collection) -> int:
+    from megatron.core import parallel_state
+
+    return pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
 
 
 class _Engine:
@@ -174,7 +180,8 @@ class _Engine:
         params = {s: v for part in gathered for s, v in part.items()}
         program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
                                 hidden_shape=shape, dtype=config.pipeline_dtype,
-                                model_type=type(_unwrap(chunks[0])).__name__)
+                                model_type=type(_unwrap(chunks[0])).__name__,
+                                attention_heads=config.num_attention_heads // _tensor_parallel(pg_collection))
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
         try:
             loaded = recipes.load(name)
