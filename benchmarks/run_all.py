@@ -63,7 +63,7 @@ BENCHES = (
     Bench("tune_ab", ("--rounds", "1", "--steps", "6"), what="piper tune's choice vs hand-written recipes"),
     Bench("host_predict", ("--hosts", "megatron", "--rounds", "1", "--steps", "6", "--calibrate-steps", "4",
                            "--schedules", "1f1b m=8", "dualpipev m=8 v=2 (untied embeddings)"),
-          what="host cost profiles' predicted vs measured steps"),
+          what="host cost profiles' predicted vs measured steps and memory"),
     Bench("ep_overlap", ("--rate", "1gbit", "--steps", "3", "--warmup", "1", "--cells", "piper:DualPipeV",
                          "piper:1F1B"), needs="netns", what="EP all-to-all over an emulated link"),
     Bench("soak", ("--minutes", "1", "--launcher", "fork"), what="memory and step time over time"),
