@@ -94,9 +94,11 @@ def _run_args(host: str, argv: list[str], steps: int, trace: Path, profile: Path
     if host == "torchtitan":
         module = [] if argv[:1] == ["--module"] else ["--module", "piper_plugin.adapters.torchtitan"]
         return [*module, *argv, "--parallelism.pipeline_engine=piper",
-                "--training.steps", str(steps), "--piper.trace", str(trace), "--piper.profile", str(profile),
+                "--training.steps", str(steps), "--piper.trace", str(trace), "--piper.trace_memory",
+                "--piper.profile", str(profile),
                 "--dump_folder", f"{trace}_dump"]
     return [*argv, "--pipeline-engine", "piper", "--train-iters", str(steps), "--piper-trace", str(trace),
+            "--piper-trace-memory",
             "--piper-profile", str(profile)]
 
 

@@ -122,6 +122,8 @@ ENTRY = [
      "leaves 0 layers for 1 middle stages"),
     (["--global-batch-size", "7"], "--global-batch-size 7 is not a multiple"),
     (["--piper-recipe", "1f1b"], "add --pipeline-engine=piper"),
+    (["--piper-trace-memory", "--pipeline-engine=piper"], "--piper-trace-memory records into the step trace: add "
+                                                          "--piper-trace DIR"),
     (["--expert-model-parallel-size", "2"], "without --num-experts"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 exceeds --num-experts 4"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),

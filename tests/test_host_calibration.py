@@ -223,7 +223,7 @@ def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tm
     for name, extra in runs.items():
         trace = tmp_path / name
         run = run_titan("llama3_debugmodel_pp2_1f1b", "piper", dump_folder=tmp_path / f"{name}_dump", steps=6,
-                        extra=[*extra, "--piper.trace", str(trace), "--piper.profile", str(path)])
+                        extra=[*extra, "--piper.trace", str(trace), "--piper.trace_memory", "--piper.profile", str(path)])
         assert run.ok, run.tail()
         predicted = float(PREDICTED.search(run.log)[1]) / 1e3
         ratio = predicted / read_step_traces(trace).median_step(2)
@@ -256,7 +256,8 @@ def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
     for name, argv in runs.items():
         trace = tmp_path / name
         code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
-            *argv, "--train-iters", "6", "--piper-trace", str(trace), "--piper-profile", str(path)], 2, tmp_path)
+            *argv, "--train-iters", "6", "--piper-trace", str(trace), "--piper-trace-memory", "--piper-profile",
+            str(path)], 2, tmp_path)
         assert code == 0, (name, log[-3000:])
         ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
         assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)

@@ -35,7 +35,7 @@ _installed: dict[str, Any] = {}
 def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None, *,
                               recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                               zero: int | None = None, trace: str | None = None,
-                              profile: str | None = None) -> PiperForwardBackward:
+                              profile: str | None = None, trace_memory: bool = False) -> PiperForwardBackward:
     """Megatron's ``get_forward_backward_func``, answered by Piper for every pipeline size.
 
     ``pp_size`` / ``vp_size`` are accepted for Megatron's signature; the plan's stages come from
@@ -43,11 +43,11 @@ def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = 
     ``recipe``: a Piper recipe name, file or trace (default ``1f1b``; ``interleaved-1f1b`` with
     several chunks per rank); a wrong one is refused at the first call, naming it. ``zero``
     (1, 2, 3): Piper's ZeRO over the data-parallel ranks, the chunks in :class:`ZeroChunk` and
-    :meth:`PiperForwardBackward.prepare` called before the optimizer is built. ``trace`` and
-    ``profile``: :class:`PiperForwardBackward`'s."""
+    :meth:`PiperForwardBackward.prepare` called before the optimizer is built. ``trace``,
+    ``trace_memory`` and ``profile``: :class:`PiperForwardBackward`'s."""
     apply_cpu_fixes()
     return PiperForwardBackward(recipe=recipe or _installed.get("recipe"), timeout_s=timeout_s, zero=zero,
-                                trace=trace, profile=profile)
+                                trace=trace, profile=profile, trace_memory=trace_memory)
 
 
 def install(recipe: str | None = None) -> None:

@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--piper-trace", default=None, metavar="DIR",
                         help="write every step's measured timeline and wall time here (plan.pkl, rank<N>.json: "
                              "what `piper calibrate --host megatron` reads)")
+    engine.add_argument("--piper-trace-memory", action="store_true",
+                        help="with --piper-trace: also count saved activations on the memory meter and record each "
+                             "step's peak transient memory (what `piper calibrate --host megatron` fits memory from)")
     engine.add_argument("--piper-profile", default=None, metavar="FILE.json",
                         help="a cost profile (`piper calibrate`): print the plan's step as it predicts it")
     return p
@@ -167,9 +170,11 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if vpp is not None and args.pipeline_engine == "megatron" and args.num_microbatches % pp:
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} gives {args.num_microbatches} microbatches; "
                             f"Megatron's interleaved schedule needs a multiple of --pipeline-model-parallel-size {pp}")
-    for flag in ("piper_recipe", "piper_trace", "piper_profile"):
+    for flag in ("piper_recipe", "piper_trace", "piper_trace_memory", "piper_profile"):
         if getattr(args, flag) and args.pipeline_engine != "piper":
             raise ArgumentError(f"--{flag.replace('_', '-')} is Piper's; add --pipeline-engine=piper")
+    if args.piper_trace_memory and not args.piper_trace:
+        raise ArgumentError("--piper-trace-memory records into the step trace: add --piper-trace DIR")
     _check_zero(args, dp, ep)
     _check_files(args)
     if args.save_interval is not None and args.save is None:

@@ -17,7 +17,8 @@ from piper_plugin import UsageError
 __all__ = ["program", "calibration_layouts", "job_argv", "tunable_recipes", "SET_BY_CALIBRATION"]
 
 program = "piper_plugin.adapters.megatron.pretrain_gpt"
-SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--save", "--load")
+SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--piper-trace-memory",
+                      "--save", "--load")
 
 
 def _checked(argv: Sequence[str], nproc: int):
@@ -66,7 +67,7 @@ def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int,
                if chunks == 2 and parsed.virtual_pipeline_model_parallel_size is None else [])
     return [*args, *virtual, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
             str(batch // microbatches), *(["--train-iters", str(steps)] if steps is not None else []),
-            *(["--piper-trace", trace] if trace is not None else [])]
+            *(["--piper-trace", trace, "--piper-trace-memory"] if trace is not None else [])]
 
 
 def tunable_recipes(argv: Sequence[str], nproc: int) -> list[str]:

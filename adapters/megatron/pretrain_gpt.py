@@ -222,6 +222,7 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     if args.pipeline_engine == "piper":
         forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout,
                                                   zero=args.piper_zero, trace=args.piper_trace,
+                                                  trace_memory=args.piper_trace_memory,
                                                   profile=args.piper_profile)
         if args.piper_zero:  # the parameters become faces of this rank's shards before the optimizer sees them
             forward_backward.prepare(model=chunks, num_microbatches=args.num_microbatches,

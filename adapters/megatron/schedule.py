@@ -70,7 +70,7 @@ class PiperForwardBackward:
     step global rank 0 prints once the plan is compiled."""
 
     def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, zero: int | None = None,
-                 trace: str | None = None, profile: str | None = None):
+                 trace: str | None = None, profile: str | None = None, trace_memory: bool = False):
         if zero is not None and zero not in LEVELS:
             raise ArgumentError(f"--piper-zero {zero}: the level is one of {', '.join(map(str, LEVELS))}")
         try:
@@ -80,7 +80,9 @@ class PiperForwardBackward:
         except ValueError as exc:
             raise ArgumentError(f"--piper-profile: {exc}") from None
         self.recipe, self.timeout_s, self.zero = recipe, timeout_s, zero
-        self.trace, self.profile = trace, profile
+        if trace_memory and trace is None:
+            raise ArgumentError("--piper-trace-memory records into the step trace: add --piper-trace DIR")
+        self.trace, self.profile, self.trace_memory = trace, profile, trace_memory
         self._cached: tuple[tuple, _Engine] | None = None
 
     def prepare(self, *, model, num_microbatches: int, seq_length: int, micro_batch_size: int,
@@ -104,7 +106,7 @@ class PiperForwardBackward:
                                     "count or sequence shape; make one forward-backward function per model and "
                                     "batch layout")
             engine = _Engine(chunks, num_microbatches, micro_batch_size, shape, config, self.recipe, self.timeout_s,
-                             pg_collection, self.zero, trace_dir=self.trace)
+                             pg_collection, self.zero, trace_dir=self.trace, trace_memory=self.trace_memory)
             if self._profile is not None and dist.get_rank() == 0:
                 print(f" > Piper plan {engine.plan.hash()} ({engine.recipe_name}) "
                       f"{prediction_line(engine.plan, self._profile, self.profile)}", flush=True)
@@ -158,9 +160,9 @@ class _Engine:
 
     def __init__(self, chunks: list[nn.Module], microbatches: int, micro_batch_size: int, shape, config,
                  recipe: str | None, timeout_s: float, pg_collection, zero: int | None = None,
-                 trace_dir: str | None = None):
+                 trace_dir: str | None = None, trace_memory: bool = False):
         """``trace_dir``: ``--piper-trace``'s folder (its StepTrace is made at the first training
-        step, with the memory meter: saved activations are counted only when tracing)."""
+        step); ``trace_memory``: saved activations counted on the memory meter and recorded there."""
         from megatron.core import parallel_state
 
         pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
@@ -229,7 +231,7 @@ class _Engine:
         self.executor = Executor(plan, program, plan_rank, LocalChunks(self.stages), None, specs=specs,
                                  optimizer_fn=None, after_task=self._after,
                                  config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
-                                                       track_saved_memory=trace_dir is not None,
+                                                       track_saved_memory=trace_memory,
                                                        replicas=tuple(tuple(r) for r in replicas)))
         self.last_stage = num_stages - 1
         self.device = next((p.device for p in chunks[0].parameters()), torch.device("cpu"))  # the aux-loss scale's
@@ -285,7 +287,7 @@ class _Engine:
                 if self.trace is None:
                     self.trace = StepTrace(self.trace_dir, self.plan, self.plan_rank, dist.get_rank(), self.program)
                 self.trace.record(self.executor.runner.timeline, time.perf_counter() - started,
-                                  self.executor.state.meter)
+                                  self.executor.state.meter if self.executor.config.track_saved_memory else None)
             for stage in sorted(self._no_sync):  # chunks with no backward on this rank (none in a pipeline)
                 self._enable_sync(stage)
             if self.config.grad_sync_func is not None:

@@ -22,7 +22,7 @@ __all__ = ["program", "calibration_layouts", "job_argv", "SET_BY_CALIBRATION"]
 
 program = "torchtitan.train"
 SET_BY_CALIBRATION = ("--piper.recipe", "--parallelism.pipeline_parallel_microbatch_size", "--training.steps",
-                      "--piper.trace", "--dump_folder")
+                      "--piper.trace", "--piper.trace_memory", "--dump_folder")
 _SINGLE = ("1f1b", "zb-h1")  # one stage per pipeline rank
 _MULTI = ("interleaved-1f1b", "dualpipev")  # two per rank
 _SCHEDULE_OF_LAYOUT = {1: "1F1B", 2: "Interleaved1F1B"}  # TorchTitan's schedule giving that many stages per rank
@@ -89,7 +89,7 @@ def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int,
     mine = ["--parallelism.pipeline_engine=piper", "--piper.recipe", recipe,
             "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches)]
     mine += ["--training.steps", str(steps)] if steps is not None else []
-    mine += ["--piper.trace", trace, "--dump_folder", f"{trace}_dump"] if trace is not None else []
+    mine += ["--piper.trace", trace, "--piper.trace_memory", "--dump_folder", f"{trace}_dump"] if trace is not None else []
     if chunks != _layouts(config)[0]:
         mine += ["--parallelism.pipeline_parallel_schedule", _SCHEDULE_OF_LAYOUT[chunks]]
     if module[0] != "--module":

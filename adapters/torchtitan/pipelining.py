@@ -217,10 +217,13 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                     "input-gradient task as a whole backward and its weight-gradient task as nothing)")
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
+    if getattr(options, "trace_memory", False) and not getattr(options, "trace", None):
+        raise FlagError("--piper.trace_memory records into the step trace: add --piper.trace DIR")
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
                                      recipe=label, mixed_precision=mixed, experts_sharded=ep > 1,
                                      trace_dir=getattr(options, "trace", None),
+                                     trace_memory=bool(getattr(options, "trace_memory", False)),
                                      replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
                                                else _replicas(parallel_dims)))
     if alternate:

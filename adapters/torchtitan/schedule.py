@@ -39,7 +39,7 @@ class PiperPipelineSchedule:
     def __init__(self, *, plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
                  replicas: list[list[int]] | None = None, mixed_precision=(None, None),
-                 experts_sharded: bool = False, trace_dir: str | None = None):
+                 experts_sharded: bool = False, trace_dir: str | None = None, trace_memory: bool = False):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
         self.loss_fn = loss_fn
@@ -49,9 +49,10 @@ class PiperPipelineSchedule:
         # ``rank`` is this process's plan rank (its pipeline rank); ``replicas`` maps plan ranks to
         # process ranks per data-parallel replica, whose gradients TorchTitan's FSDP/HSDP wrapper reduces.
         # The loss is already sum / global valid tokens: each microbatch's loss gradient is 1. TorchTitan
-        # reports the process's own memory: saved activations are counted only for ``--piper.trace``.
+        # reports the process's own memory: saved activations are counted only for ``--piper.trace_memory``.
         # ``mixed_precision``: FSDP's policy (param, reduce dtypes), done by Piper's ZeRO when it shards.
-        self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=bool(trace_dir),
+        self.trace_memory = trace_memory
+        self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=trace_memory,
                                      replicas=tuple(tuple(r) for r in replicas) if replicas else None,
                                      param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
                                      experts_sharded=experts_sharded)
@@ -129,7 +130,8 @@ class PiperPipelineSchedule:
         if self.trace_dir:
             if self._trace is None:
                 self._trace = StepTrace(self.trace_dir, self.plan, self.rank, dist.get_rank(), self.program)
-            self._trace.record(executor.runner.timeline, time.perf_counter() - started, executor.state.meter)
+            self._trace.record(executor.runner.timeline, time.perf_counter() - started,
+                               executor.state.meter if self.trace_memory else None)
         if losses is not None and self.has_last_stage:
             losses.extend(out)
         return None

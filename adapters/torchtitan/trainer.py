@@ -58,6 +58,11 @@ class PiperOptions:
     writes the plan, ``plan.pkl``): :class:`piper_plugin.StepTrace`'s layout, what ``piper
     calibrate --host torchtitan`` reads."""
 
+    trace_memory: bool = False
+    """With --piper.trace: also count saved activations on the runtime's memory meter and record
+    each step's peak transient memory and the meter's windows (what ``piper calibrate --host``
+    fits region memory from; hooks on saved tensors, replayed once two steps agree)."""
+
     profile: str | None = None
     """A cost profile (``piper calibrate``, best ``--host torchtitan`` on this config): the log
     then states the plan's step time and bubble as the profile predicts them."""
