@@ -66,8 +66,10 @@ class PiperForwardBackward:
     ``interleaved-1f1b`` when each rank holds several model chunks). ``zero``: Piper's ZeRO level
     over Megatron's data-parallel group (None: Megatron's DDP reduces, each pipeline a replica
     of the plan). ``trace``: a folder where each step's timeline and wall time go
-    (:class:`~piper_plugin.StepTrace`); ``profile``: a cost profile whose prediction of the plan's
-    step global rank 0 prints once the plan is compiled."""
+    (:class:`~piper_plugin.StepTrace`), with ``trace_memory`` also each step's peak transient memory
+    and the meter's windows (saved activations counted only then); ``profile``: a cost profile
+    whose prediction of the plan's step, bubble and peak transient memory per rank global rank 0
+    prints once the plan is compiled."""
 
     def __init__(self, recipe: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, zero: int | None = None,
                  trace: str | None = None, profile: str | None = None, trace_memory: bool = False):
