@@ -143,7 +143,7 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
             traced = read_step_traces(trace)
             plan = traced.plan
             if traced.program is not None:
-                programs.setdefault(len({r.stage for r in traced.program.regions.values()}), traced.program)
+                programs.setdefault(stage_count(traced.program.regions), traced.program)
             steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
             memory.setdefault(stage_count(plan.dag.regions), []).extend(
                 memory_samples(plan, traced.windows, traced.kept_for_weights))
@@ -175,15 +175,15 @@ def _fit_memory(samples: dict[int, list]) -> dict[str, Any]:
 
 def _check_memory(profile: dict[str, Any], steps_measured: list, peaks: list[dict[int, int]],
                   say: Callable[[str], None]) -> None:
-    """Each job's peak transient bytes per plan rank, measured and as the simulator predicts them
-    with the memory just fitted (into the profile's ``jobs``)."""
-    from piper_plugin.measured_memory import with_measured_memory
-    from piper_plugin.scheduler.simulate import simulate
+    """Each job's peak transient bytes per plan rank, measured and as the profile just fitted
+    predicts them (:func:`~piper_plugin.calibrate.predict_plan`, as the adapters' profile lines do;
+    into the profile's ``jobs``)."""
+    from piper_plugin.calibrate import predict_plan
 
     for job, (name, plan, _), measured in zip(profile["jobs"], steps_measured, peaks):
         if not measured:
             continue
-        predicted = simulate(with_measured_memory(plan, profile)).peak_transient_bytes
+        predicted = predict_plan(plan, profile)[0].peak_transient_bytes
         job["measured_peak_transient_bytes"] = [measured.get(r) for r in range(len(predicted))]
         job["predicted_peak_transient_bytes"] = predicted
         say(f"calibrate  {name}: peak transient per rank predicted "

@@ -31,9 +31,7 @@ from typing import Any
 from piper_plugin.ir.graph import BackwardBytes, Rise
 from piper_plugin.ir.nodes import Kind
 
-__all__ = ["MEMORY_PARTS", "memory_samples", "fit_memory", "with_measured_memory", "stage_count"]
-
-MEMORY_PARTS = ("saved", "shared", "full", "inputs", "kept", "weights")
+__all__ = ["memory_samples", "fit_memory", "with_measured_memory", "stage_count"]
 
 
 def stage_count(regions) -> int:
@@ -56,11 +54,11 @@ def memory_samples(plan, windows: dict[int, list], kept: dict[int, dict[str, int
     samples: list[tuple[str, str, float, int]] = []
     for rank, entries in windows.items():
         per_task: dict[str, tuple[int, int]] = {}
-        split: dict[str, list[int]] = {}  # a backward run in two passes: each window's rise
+        rises: dict[str, list[int]] = {}  # each window's own rise, in turn
         for task, _, change, rise in sorted(entries, key=lambda w: (w[0], w[1])):
             total, high = per_task.get(task, (0, 0))
             per_task[task] = (total + change, max(high, total + rise))
-            split.setdefault(task, []).append(rise)
+            rises.setdefault(task, []).append(rise)
         weight_passes = {(dag.nodes[t].region, dag.nodes[t].microbatch) for t in per_task
                          if t in dag.nodes and dag.nodes[t].kind == Kind.BW}
         forwards: dict[str, list[int]] = {}
@@ -73,9 +71,9 @@ def memory_samples(plan, windows: dict[int, list], kept: dict[int, dict[str, int
             parts: list[tuple[str, int]] = []
             if node.kind == Kind.F:
                 forwards.setdefault(node.region, []).append(change * shards)
-            elif node.kind == Kind.B and len(split[task]) == 2:  # input gradients, sends, weight gradients
-                parts = [("inputs", split[task][0]), ("kept", kept.get(rank, {}).get(task, 0)),
-                         ("weights", split[task][1])]
+            elif node.kind == Kind.B and len(rises[task]) == 2:  # input gradients, sends, weight gradients
+                parts = [("inputs", rises[task][0]), ("kept", kept.get(rank, {}).get(task, 0)),
+                         ("weights", rises[task][1])]
             elif node.kind == Kind.B or (node.kind == Kind.BI and (node.region, node.microbatch) not in weight_passes):
                 parts = [("full", rise)]
             elif node.kind == Kind.BI:
@@ -103,17 +101,13 @@ def fit_memory(samples: list[tuple[str, str, float, int]]) -> dict[str, dict[str
     grouped: dict[tuple[str, str], list[tuple[float, int]]] = {}
     for region, part, scale, nbytes in samples:
         grouped.setdefault((region, part), []).append((scale, max(nbytes, 0)))
-    shared = {region: int(statistics.median(v for _, v in points))
-              for (region, part), points in grouped.items() if part == "shared"}
-    for (region, part), points in list(grouped.items()):
-        if part == "single":  # each of these forwards saved the shared part too
-            grouped.setdefault((region, "saved"), []).extend((s, v - shared.get(region, 0)) for s, v in points)
     fitted: dict[str, dict[str, list[int]]] = {}
+    for region, part in [key for key in grouped if key[1] == "shared"]:  # all fixed: a median
+        fitted.setdefault(region, {})["shared"] = [int(statistics.median(v for _, v in grouped.pop((region, part)))), 0]
+    for region, part in [key for key in grouped if key[1] == "single"]:  # forwards that saved the shared part too
+        shared = fitted.get(region, {}).get("shared", [0])[0]
+        grouped.setdefault((region, "saved"), []).extend((s, v - shared) for s, v in grouped.pop((region, part)))
     for (region, part), points in sorted(grouped.items()):
-        if part in ("single", "shared"):
-            if part == "shared":
-                fitted.setdefault(region, {})[part] = [shared[region], 0]
-            continue
         scales = np.array([s for s, _ in points])
         values = np.array([v for _, v in points], dtype=float)
         if part == "saved" or len(set(scales.tolist())) == 1:

@@ -39,11 +39,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin import (
-    DirectiveError, Executor, ExecutorConfig, Schedule, StepTrace, UsageError, ValueSpec, compile_program, cost_model,
+    DirectiveError, Executor, ExecutorConfig, Schedule, StepTrace, ValueSpec, compile_program, cost_model,
     prediction_line, read_profile, recipes,
 )
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
+from piper_plugin.adapters.megatron.errors import ArgumentError
+from piper_plugin.adapters.megatron.groups import data_parallel, hidden_shape, pipelines, plan_processes, tensor_parallel
 from piper_plugin.adapters.megatron.zero import LEVELS
 from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
@@ -52,11 +54,6 @@ from piper_plugin.adapters.megatron.program import (
 __all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement"]
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-class ArgumentError(UsageError, ValueError):
-    """A Megatron argument (or combination) the Piper engine cannot run; the message names the
-    argument and the fix."""
 
 
 class PiperForwardBackward:
@@ -100,7 +97,7 @@ class PiperForwardBackward:
         from megatron.core.utils import get_model_config
 
         config = get_model_config(chunks[0])
-        shape = _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection)
+        shape = hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection)
         key = (tuple(id(c) for c in chunks), num_microbatches, shape, config.pipeline_dtype)
         if self._cached is None or self._cached[0] != key:
             if self.zero is not None and self._cached is not None:
@@ -139,24 +136,6 @@ class PiperForwardBackward:
                           pg_collection=pg_collection, force_all_reduce=force_all_reduce)
 
 
-def _hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection) -> tuple[int, ...]:
-    """One microbatch's hidden state between stages, as Megatron's ``get_tensor_shapes``."""
-    from megatron.core import parallel_state
-
-    cp = pg_collection.cp.size() if pg_collection is not None else parallel_state.get_context_parallel_world_size()
-    tp = _tensor_parallel(pg_collection)
-    seq = (decoder_seq_length or seq_length) // cp
-    if config.sequence_parallel:
-        seq //= tp
-    return (seq, micro_batch_size, config.hidden_size)
-
-
-def _tensor_parallel(pg_collection) -> int:
-    from megatron.core import parallel_state
-
-    return pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
-
-
 class _Engine:
     """One compiled plan and its executor for this rank's chunks."""
 
@@ -169,7 +148,7 @@ class _Engine:
 
         pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        dp, dp_rank = _data_parallel(zero, chunks, pg_collection)
+        dp, dp_rank = data_parallel(zero, chunks, pg_collection)
         self.chunks, self.pp, self.pp_rank = chunks, pp, pp_rank
         self.config = config
         self.cp_size = (pg_collection.cp.size() if pg_collection is not None
@@ -185,7 +164,7 @@ class _Engine:
         program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
                                 hidden_shape=shape, dtype=config.pipeline_dtype,
                                 model_type=type(_unwrap(chunks[0])).__name__,
-                                attention_heads=config.num_attention_heads // _tensor_parallel(pg_collection))
+                                attention_heads=config.num_attention_heads // tensor_parallel(pg_collection))
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
         try:
             loaded = recipes.load(name)
@@ -222,9 +201,9 @@ class _Engine:
         # axis the plan sums what Megatron's DDP averages (unless the loss is per token: Megatron sums)
         self.grad_scale = 1.0 if zero is None or config.calculate_per_token_loss else 1.0 / dp
         if zero is None:
-            replicas, plan_rank = _pipelines(pp_group), pp_rank
+            replicas, plan_rank = pipelines(pp_group), pp_rank
         else:
-            replicas, plan_rank = [_plan_processes(plan, pp_rank, dp_rank)], plan.grid.rank(pp_rank, dp_rank)
+            replicas, plan_rank = [plan_processes(plan, pp_rank, dp_rank)], plan.grid.rank(pp_rank, dp_rank)
         self._context = cpu_context()
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
         self._reduce_after = _last_backwards(plan, plan_rank)
@@ -356,49 +335,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
 def _overlaps_reduce(chunk: nn.Module) -> bool:
     ddp_config = getattr(chunk, "ddp_config", None)
     return bool(getattr(ddp_config, "overlap_grad_reduce", False)) and hasattr(chunk, "start_grad_sync")
-
-
-def _data_parallel(zero: int | None, chunks: list[nn.Module], pg_collection) -> tuple[int, int]:
-    """(size, rank) of the plan's data-parallel axis: Megatron's data-parallel group under
-    Piper's ZeRO, else (1, 0) (Megatron's DDP reduces across the pipelines)."""
-    if zero is None:
-        return 1, 0
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel
-
-    if any(isinstance(c, DistributedDataParallel) for c in chunks):
-        raise ArgumentError(f"--piper-zero {zero}: the model chunks are in Megatron's DistributedDataParallel, whose "
-                            f"gradient buffers would reduce them again; wrap each chunk in "
-                            f"piper_plugin.adapters.megatron.ZeroChunk instead")
-    ep = (pg_collection.ep.size() if pg_collection is not None and hasattr(pg_collection, "ep")
-          else parallel_state.get_expert_model_parallel_world_size())
-    if ep > 1:
-        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
-                            f"Megatron runs without expert parallelism for now; drop one of them")
-    group = (pg_collection.dp if pg_collection is not None and hasattr(pg_collection, "dp")
-             else parallel_state.get_data_parallel_group())
-    dp = dist.get_world_size(group)
-    if dp < 2:
-        raise ArgumentError(f"--piper-zero {zero} with one data-parallel rank: ZeRO shards over the data-parallel "
-                            f"ranks; launch more ranks than --pipeline-model-parallel-size, or drop --piper-zero")
-    return dp, dist.get_rank(group)
-
-
-def _plan_processes(plan, pp_rank: int, dp_rank: int) -> list[int]:
-    """Process rank of every plan rank (a collective): plan rank (pipeline rank p, data shard d)
-    is the process at Megatron's pipeline rank p and data-parallel rank d."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (pp_rank, dp_rank))
-    where = {coords: process for process, coords in enumerate(everyone)}
-    return [where[(plan.grid.coords(r)[0], plan.grid.data_shard(r))] for r in range(plan.grid.world_size)]
-
-
-def _pipelines(pp_group) -> list[list[int]]:
-    """Process ranks of every pipeline (each a replica of the plan), ordered by pipeline rank."""
-    mine = dist.get_process_group_ranks(pp_group)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
 
 
 def _last_backwards(plan, rank: int) -> dict[str, int]:

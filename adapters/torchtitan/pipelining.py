@@ -21,7 +21,7 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from piper_plugin import (
-    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, cost_model, prediction_line, read_profile,
+    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, prediction_line, read_profile,
     recipes,
 )
 
@@ -217,13 +217,13 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
                     "input-gradient task as a whole backward and its weight-gradient task as nothing)")
     specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
-    if getattr(options, "trace_memory", False) and not getattr(options, "trace", None):
+    trace, trace_memory = getattr(options, "trace", None), bool(getattr(options, "trace_memory", False))
+    if trace_memory and not trace:
         raise FlagError("--piper.trace_memory records into the step trace: add --piper.trace DIR")
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
                                      recipe=label, mixed_precision=mixed, experts_sharded=ep > 1,
-                                     trace_dir=getattr(options, "trace", None),
-                                     trace_memory=bool(getattr(options, "trace_memory", False)),
+                                     trace_dir=trace, trace_memory=trace_memory,
                                      replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
                                                else _replicas(parallel_dims)))
     if alternate:
@@ -234,13 +234,11 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
 
 
 def _predicted_line(plan, profile: str) -> str:
-    """``--piper.profile``: the plan's step and bubble as the cost profile predicts them."""
+    """``--piper.profile``: the plan's step, bubble and peaks as the cost profile predicts them."""
     try:
-        data = read_profile(profile)
-        cost_model(data)
-    except ValueError as exc:
+        return f"Piper: {prediction_line(plan, read_profile(profile), profile)}"
+    except ValueError as exc:  # not a profile, or one this version cannot read
         raise FlagError(f"--piper.profile: {exc}") from None
-    return f"Piper: {prediction_line(plan, data, profile)}"
 
 
 def _hidden_dtype(parts: dict[int, nn.Module], training, param_dtype: torch.dtype) -> torch.dtype:

@@ -51,7 +51,6 @@ class PiperPipelineSchedule:
         # The loss is already sum / global valid tokens: each microbatch's loss gradient is 1. TorchTitan
         # reports the process's own memory: saved activations are counted only for ``--piper.trace_memory``.
         # ``mixed_precision``: FSDP's policy (param, reduce dtypes), done by Piper's ZeRO when it shards.
-        self.trace_memory = trace_memory
         self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=trace_memory,
                                      replicas=tuple(tuple(r) for r in replicas) if replicas else None,
                                      param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
@@ -131,7 +130,7 @@ class PiperPipelineSchedule:
             if self._trace is None:
                 self._trace = StepTrace(self.trace_dir, self.plan, self.rank, dist.get_rank(), self.program)
             self._trace.record(executor.runner.timeline, time.perf_counter() - started,
-                               executor.state.meter if self.trace_memory else None)
+                               executor.state.meter if self.config.track_saved_memory else None)
         if losses is not None and self.has_last_stage:
             losses.extend(out)
         return None

@@ -1,0 +1,77 @@
+"""Megatron's process groups as a Piper plan sees them: the hidden state's shape between stages,
+the tensor- and data-parallel sizes, and which process runs each plan rank.
+
+Invariant: every function that gathers (:func:`plan_processes`, :func:`pipelines`) is a
+collective over the whole world, called by every rank in the same order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from piper_plugin.adapters.megatron.errors import ArgumentError
+
+__all__ = ["hidden_shape", "tensor_parallel", "data_parallel", "plan_processes", "pipelines"]
+
+
+def hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection) -> tuple[int, ...]:
+    """One microbatch's hidden state between stages, as Megatron's ``get_tensor_shapes``."""
+    from megatron.core import parallel_state
+
+    cp = pg_collection.cp.size() if pg_collection is not None else parallel_state.get_context_parallel_world_size()
+    tp = tensor_parallel(pg_collection)
+    seq = (decoder_seq_length or seq_length) // cp
+    if config.sequence_parallel:
+        seq //= tp
+    return (seq, micro_batch_size, config.hidden_size)
+
+
+def tensor_parallel(pg_collection) -> int:
+    from megatron.core import parallel_state
+
+    return pg_collection.tp.size() if pg_collection is not None else parallel_state.get_tensor_model_parallel_world_size()
+
+
+def data_parallel(zero: int | None, chunks: list[nn.Module], pg_collection) -> tuple[int, int]:
+    """(size, rank) of the plan's data-parallel axis: Megatron's data-parallel group under
+    Piper's ZeRO, else (1, 0) (Megatron's DDP reduces across the pipelines)."""
+    if zero is None:
+        return 1, 0
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+
+    if any(isinstance(c, DistributedDataParallel) for c in chunks):
+        raise ArgumentError(f"--piper-zero {zero}: the model chunks are in Megatron's DistributedDataParallel, whose "
+                            f"gradient buffers would reduce them again; wrap each chunk in "
+                            f"piper_plugin.adapters.megatron.ZeroChunk instead")
+    ep = (pg_collection.ep.size() if pg_collection is not None and hasattr(pg_collection, "ep")
+          else parallel_state.get_expert_model_parallel_world_size())
+    if ep > 1:
+        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
+                            f"Megatron runs without expert parallelism for now; drop one of them")
+    group = (pg_collection.dp if pg_collection is not None and hasattr(pg_collection, "dp")
+             else parallel_state.get_data_parallel_group())
+    dp = dist.get_world_size(group)
+    if dp < 2:
+        raise ArgumentError(f"--piper-zero {zero} with one data-parallel rank: ZeRO shards over the data-parallel "
+                            f"ranks; launch more ranks than --pipeline-model-parallel-size, or drop --piper-zero")
+    return dp, dist.get_rank(group)
+
+
+def plan_processes(plan, pp_rank: int, dp_rank: int) -> list[int]:
+    """Process rank of every plan rank (a collective): plan rank (pipeline rank p, data shard d)
+    is the process at Megatron's pipeline rank p and data-parallel rank d."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pp_rank, dp_rank))
+    where = {coords: process for process, coords in enumerate(everyone)}
+    return [where[(plan.grid.coords(r)[0], plan.grid.data_shard(r))] for r in range(plan.grid.world_size)]
+
+
+def pipelines(pp_group) -> list[list[int]]:
+    """Process ranks of every pipeline (each a replica of the plan), ordered by pipeline rank."""
+    mine = dist.get_process_group_ranks(pp_group)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
