@@ -42,33 +42,34 @@ class ParityErrors:
 
 
 def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict[int, dict[str, Any]],
-                         accumulate: int = 1) -> ParityErrors:
+                         accumulate: int = 1, device: str = "cpu") -> ParityErrors:
     """Train ``job.steps`` steps on one device and compare every step; raises when a step has no
     loss or the ranks' pieces do not cover every parameter. ``per_rank`` (the ranks' final
     results) is compared after the last step too, when it holds pieces. ``accumulate``: the
     reference cuts each batch into this many equal slices and accumulates their gradients
-    (each slice's loss / ``accumulate``), as a plain gradient-accumulation loop does."""
-    reference = job.build_model()
+    (each slice's loss / ``accumulate``), as a plain gradient-accumulation loop does. ``device``:
+    where the reference trains (a float8 model on a GPU is compared with float8 on that GPU)."""
+    reference = job.build_model().to(device)
     named = list(reference.named_parameters())
     optimizer = job.optimizer_fn(ParamList([p for _, p in named], [n for n, _ in named]))
     scheduler = job.lr_scheduler_fn(optimizer) if job.lr_scheduler_fn else None
     data = job.data_fn(job.seed)
     errors = ParityErrors()
     for step in range(job.steps):
-        loss = _accumulated_step(job, reference, next(data), accumulate)
+        loss = _accumulated_step(job, reference, [t.to(device) for t in next(data)], accumulate)
         losses = [m["loss"] for m in metrics if m["step"] == step and "loss" in m]
         if not losses:
             raise ValueError(f"no last-stage rank reported a loss for step {step}")
         for got in losses:
             errors.note("loss", abs(got - loss) / abs(loss), f"step {step}: {got} vs {loss}")
         # a parameter without a gradient (frozen, unused) is compared as zeros
-        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        grads = {n: p.grad.to("cpu", copy=True) if p.grad is not None else torch.zeros_like(p, device="cpu")
                  for n, p in reference.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:
             scheduler.step()
-        params = {n: p.detach() for n, p in reference.named_parameters()}
+        params = {n: p.detach().cpu() for n, p in reference.named_parameters()}
         ranks = [m for m in metrics if m["step"] == step and "grad_pieces" in m]
         if ranks:
             _compare(errors, step, grads, params, ranks)
@@ -82,7 +83,7 @@ def _accumulated_step(job: Job, model: torch.nn.Module, batch: tuple[torch.Tenso
     autocast, if any); returns the batch's loss."""
     total = 0.0
     for *inputs, target in zip(*[t.chunk(slices) for t in batch]):
-        with torch.autocast("cpu", dtype=job.autocast, enabled=job.autocast is not None):
+        with torch.autocast(target.device.type, dtype=job.autocast, enabled=job.autocast is not None):
             loss = job.loss_fn(model(*inputs), target) / slices
         loss.backward()
         total += loss.item()

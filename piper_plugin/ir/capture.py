@@ -66,6 +66,13 @@ def _traceable(root: _Training, num_inputs: int) -> _Training:
     return root
 
 
+_CONTAINERS = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_torch_layer(cls: type) -> bool:
+    return cls.__module__.startswith(("torch.nn.", "torch.ao.nn.")) and cls not in _CONTAINERS
+
+
 class _TaggingTracer(fx.Tracer):
     """symbolic tracing that records the active Piper tags on each node."""
 
@@ -82,6 +89,14 @@ class _TaggingTracer(fx.Tracer):
         finally:
             if tags:
                 self._module_tags.pop()
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        """torch.nn's own layers, and subclasses of them without a Piper tag, are one call each:
+        a layer that keeps ``nn.Linear``'s contract with a forward fx cannot trace (torchao's
+        ``Float8Linear`` casts through tensor subclasses) stays one node, run as itself."""
+        if super().is_leaf_module(m, module_qualified_name):
+            return True
+        return not module_tags(m) and any(_is_torch_layer(base) for base in type(m).__mro__[1:])
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # noqa: D102
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
