@@ -31,8 +31,12 @@ class ParityErrors:
     grad: float = 0.0
     param: float = 0.0
     where: dict[str, str] = field(default_factory=dict)  # what the worst error of each kind is in
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)  # the worst of each kind per step
 
-    def note(self, kind: str, err: float, where: str) -> None:
+    def note(self, kind: str, err: float, where: str, step: int | None = None) -> None:
+        if step is not None:
+            mine = self.steps.setdefault(step, {})
+            mine[kind] = max(mine.get(kind, 0.0), err)
         if err >= getattr(self, kind):
             setattr(self, kind, err)
             self.where[kind] = where
@@ -61,7 +65,7 @@ def single_device_errors(job: Job, metrics: list[dict[str, Any]], per_rank: dict
         if not losses:
             raise ValueError(f"no last-stage rank reported a loss for step {step}")
         for got in losses:
-            errors.note("loss", abs(got - loss) / abs(loss), f"step {step}: {got} vs {loss}")
+            errors.note("loss", abs(got - loss) / abs(loss), f"step {step}: {got} vs {loss}", step)
         # a parameter without a gradient (frozen, unused) is compared as zeros
         grads = {n: p.grad.to("cpu", copy=True) if p.grad is not None else torch.zeros_like(p, device="cpu")
                  for n, p in reference.named_parameters()}
@@ -99,4 +103,4 @@ def _compare(errors: ParityErrors, step: int, grads: dict, params: dict, ranks: 
             raise ValueError(f"step {step}: the ranks' {pieces} cover {sorted(set(got) ^ set(whole))[:3]}... "
                              f"differently from the model's parameters")
         for name, tensor in got.items():
-            errors.note(kind, rel(tensor, whole[name]), f"step {step}: {name}")
+            errors.note(kind, rel(tensor, whole[name]), f"step {step}: {name}", step)
