@@ -26,7 +26,7 @@ setup(
         "cloudpickle>=2",
         "matplotlib>=3.8",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6"]},
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "torchao==0.18.0"]},  # torchao: float8 rows
     entry_points={
         "console_scripts": ["piper=piper_plugin.cli:main"],
         # host adapters' `piper` subcommands: fn(subparsers) adds one (the engine imports no adapter)

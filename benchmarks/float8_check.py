@@ -206,7 +206,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         e = single_device_errors(job, result.metrics, result.per_rank, accumulate=args.microbatches,
                                  device="cuda" if args.device == "cuda" else "cpu")
         first = e.steps[0]
-        verdicts[f"first step {case}"] = max(first.get("loss", 0.0), first.get("grad", 0.0)) < args.tol
         cases_run.append((case, e))
         later = [m["step_time_s"] for m in result.metrics if m["step"] >= min(2, job.steps - 1)]
         streams = sorted({s for rp in result.plan.ranks for s in rp.streams})
@@ -224,7 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     floor_rows = [[name, " ".join(f"{g:.1e}" for _, g in d), f"{max(x for x, _ in d):.1e}"] for name, d in floors.items()]
     print("\n".join(" | ".join(r) for r in floor_rows), flush=True)
     own = max(g for _, g in floors["plain float8 against plain fp32"])
+    spread = floors["plain float8, run twice"][0][1]  # on a GPU plain float8 does not repeat itself bitwise
     for case, e in cases_run:
+        first = e.steps[0]
+        verdicts[f"first step {case}"] = max(first.get("loss", 0.0), first.get("grad", 0.0)) <= max(args.tol, 2 * spread)
         verdicts[f"all steps {case}"] = e.grad < own
     one_rank = _job(args, "1f1b", 1, False)
     piper_ms, plain_ms = _step_ms(one_rank), _plain_step_ms(one_rank, args.microbatches)
@@ -238,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# Float8 training under Piper", env, f"Command: `{command_line('float8_check', args, parser)}`",
         f"torchao Float8Linear, {how}. Relative errors against plain PyTorch float8 training on the same "
         f"device with gradients accumulated over the same {args.microbatches} microbatches: the first step's loss "
-        f"and gradients (same parameters, same batch; goal < {args.tol:g}), then the worst over every step's "
+        f"and gradients (same parameters, same batch; goal < {args.tol:g}, or at most twice what plain float8 "
+        "differs from itself run twice, where that is more: on a GPU it is not bitwise repeatable), then the "
+        "worst over every step's "
         "loss, gradients and the parameters after it (goal: gradients closer to plain float8 than plain float8 "
         "is to fp32: a float8 cast turns a last-bit difference of fp32 into a whole float8 step, so runs whose "
         "parameters differ in their last bits drift apart).",

@@ -35,7 +35,7 @@ REPORT = ROOT / "docs" / "RESULTS.md"
 class Bench:
     name: str
     args: tuple[str, ...]
-    needs: str | None = None  # "cuda" or "netns": what the machine must have
+    needs: str | None = None  # "cuda", "netns" or "torchao": what the machine must have
     what: str = ""
 
 
@@ -68,6 +68,8 @@ BENCHES = (
                          "piper:1F1B"), needs="netns", what="EP all-to-all over an emulated link"),
     Bench("soak", ("--minutes", "1", "--launcher", "fork"), what="memory and step time over time"),
     Bench("cuda_check", (), needs="cuda", what="the CUDA path: streams, events, NCCL, memory"),
+    Bench("float8_check", ("--device", "cpu", "--emulate", "--steps", "3"), needs="torchao",
+          what="torchao float8 linears under Piper against plain float8 (emulated on a CPU)"),
 )
 
 
@@ -76,6 +78,9 @@ def missing(need: str | None) -> str | None:
     if need == "cuda":
         import torch
         return None if torch.cuda.is_available() else "no CUDA device here"
+    if need == "torchao":
+        from importlib.util import find_spec
+        return None if find_spec("torchao") else "torchao is not installed"
     if need == "netns":
         if not (shutil.which("unshare") and shutil.which("tc")):
             return "needs unshare and tc (iproute2)"

@@ -196,6 +196,27 @@ def test_cuda_check_smoke(tmp_path, capsys):
     assert code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)
 
 
+@pytest.mark.slow
+def test_float8_check_smoke(tmp_path):
+    """torchao's float8 linears (emulated on a CPU) under 1F1B on one rank and DualPipeV on two
+    match plain float8 training, step one to the last bit of fp32; the exit code follows."""
+    pytest.importorskip("torchao.float8")
+    from benchmarks import float8_check
+
+    out = tmp_path / "f8.md"
+    code = float8_check.main(["--device", "cpu", "--emulate", "--steps", "3", "--cases", "1f1b 1 rank",
+                              "dualpipev 2 ranks", "--out", str(out)])
+    text = out.read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| 1f1b", "| dualpipev"))]
+    assert [r[0].strip("| ") for r in rows] == ["1f1b 1 rank", "dualpipev 2 ranks"], text
+    assert all(float(r[2]) < 1e-5 and float(r[3]) < 1e-5 for r in rows), text  # first step: loss, gradients
+    floors = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| plain")}
+    assert set(floors["plain float8, run twice"].split(" | ")[1].split()) == {"0.0e+00"}  # a CPU repeats itself
+    assert "Piper float8 / plain PyTorch float8" in text
+    verdicts = [line for line in text.splitlines() if line.startswith("- parity")]
+    assert len(verdicts) == 4 and code == (1 if any(v.endswith("FAILS") for v in verdicts) else 0)
+
+
 def test_cuda_check_flags_a_timeline_no_stream_could_run():
     """Posted messages may overlap; compute tasks of one stream may not, and no rank's span may
     exceed the step (what misplaced timing events on a GPU would show)."""

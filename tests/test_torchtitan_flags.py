@@ -18,6 +18,8 @@ buffers, the part that refuses a backward kept for a second pass, without induct
 fails under compile (its split backward keeps the compiled graph), so Piper's compiled DualPipeV
 is checked against TorchTitan's DualPipeV without compile, which computes the same gradients.
 """
+from importlib.util import find_spec
+
 import pytest
 
 pytest.importorskip("torchtitan")
@@ -64,10 +66,16 @@ ROWS = [
     ("compile-1f1b", "llama3_debugmodel_pp2_1f1b", COMPILE, [], ONE_PASS),
     ("compile-dualpipev", "llama3_debugmodel_ce_loss_pp2_dualpipev", ["activation-checkpoint:none"],
      COMPILE, ONE_PASS),
+    # TorchTitan's float8 converter in its emulated mode (torchao casts to float8 and back) with LoRA
+    # adapters on the attention projections: float8 layers and frozen base weights
+    pytest.param("float8-emulated-lora", "llama3_debugmodel_float8_emulate_lora_pp2_1f1b", [], [],
+                 "Piper: recipe 1f1b", marks=pytest.mark.skipif(find_spec("torchao") is None,
+                                                                 reason="torchao is not installed")),
 ]
 
 
-@pytest.mark.parametrize("row, config, both, piper_only, expect", ROWS, ids=[r[0] for r in ROWS])
+@pytest.mark.parametrize("row, config, both, piper_only, expect", ROWS,
+                         ids=[getattr(r, "values", r)[0] for r in ROWS])
 def test_flag_row_matches_torchtitan(tmp_path, row, config, both, piper_only, expect):
     tail = [f for f in both if f.startswith("activation-checkpoint:")]  # a tyro subcommand goes last
     both = [f for f in both if f not in tail]

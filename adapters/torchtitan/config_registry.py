@@ -103,15 +103,18 @@ _LOW_PRECISION = re.compile(r"_(?:float8|mx|nvfp4)")  # TorchTitan's low-precisi
 
 
 def _build(name: str) -> object:
-    """The stock config ``name`` built; a config that cannot be built on this machine (float8's
-    converter without torchao, say) ends the rank in one ``piper: error:`` line naming it."""
+    """The stock config ``name`` built; a low-precision config that cannot be built on this machine
+    (float8's converter without torchao, or on a CPU) ends the rank in one ``piper: error:`` line."""
     with one_line_errors():
         try:
             return _stock_config_fn(name)()
-        except ImportError as exc:
+        except (ImportError, ValueError) as exc:
             plain = _LOW_PRECISION.split(name)[0]
-            gpu = (f" (float8 / MX / NVFP4 training needs torchao and a CUDA GPU; on CPU use the config without "
-                   f"the converter, e.g. {plain})" if plain != name else "")
+            if isinstance(exc, ValueError) and plain == name:
+                raise
+            gpu = (f" (float8 / MX / NVFP4 training needs torchao and a CUDA GPU of its generation; on CPU use the "
+                   f"config without the converter, e.g. {plain}, or TorchTitan's emulated float8, "
+                   f"llama3_debugmodel_float8_emulate_lora)" if plain != name else "")
             raise FlagError(f"TorchTitan's config {name} cannot be built here: {exc}{gpu}") from None
 
 
