@@ -222,9 +222,9 @@ def _print_result(result, args: argparse.Namespace, seconds: bool) -> None:
 
 def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
     """``piper tune --profile P`` of a host profile: every built-in recipe, microbatch count,
-    stage layout the calibration ran and overlay on the host's own grid, simulated over the
-    host's programs the profile keeps; ``--out`` writes the best as a trace, and the host
-    command that runs it is printed."""
+    stage layout the calibration ran, ZeRO level the host runs there (its ``tunable_zero``) and
+    overlay on the host's own grid, simulated over the host's programs the profile keeps;
+    ``--out`` writes the best as a trace, and the host command that runs it is printed."""
     from piper_plugin.calibrate import cost_model
     from piper_plugin.calibrate_host import host_module, unpack_programs
     from piper_plugin.measured_memory import with_measured_memory
@@ -236,10 +236,6 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
         raise UsageError(f"--profile {args.profile}: it keeps no program of the host's model (an older "
                          f"calibration); run piper calibrate --host {data['host']} again")
     grid = tuple(int(data["grid"][k]) for k in ("pp", "dp", "ep"))
-    if grid[1] * grid[2] > 1:
-        raise UsageError(f"--profile {args.profile}: its host grid pp={grid[0]} x dp={grid[1]} x ep={grid[2]} has "
-                         f"data or expert parallelism, whose ZeRO level the host's own flags set; tuning a host "
-                         f"profile covers pipeline-only grids")
     batch = next(iter(programs.values())).dag.batch_size
 
     def build(stages: int):
@@ -249,10 +245,14 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
 
     module = host_module(data["host"])
     tunable = getattr(module, "tunable_recipes", None)  # optional: what the host runs for these arguments
-    result = search(build, grid[0], batch, experts=False, cost=cost_model(data), memory_cap=args.memory_cap,
-                    grid=grid, zero_levels=(0,), recipes=tunable(data["host_args"], data["ranks"]) if tunable else None)
+    levels = getattr(module, "tunable_zero", None)  # optional: the ZeRO levels the host runs on this grid
+    zero_levels = tuple(levels(data["host_args"], data["ranks"])) if levels else (0,)
+    result = search(build, grid[0] * grid[1] * grid[2], batch, experts=False, cost=cost_model(data),
+                    memory_cap=args.memory_cap, grid=grid, zero_levels=zero_levels,
+                    recipes=tunable(data["host_args"], data["ranks"]) if tunable else None)
     scored = len(result.fitting) + len(result.over_cap)
-    print(f"tune    {data['model']}, grid pp={grid[0]}, batch {batch}, stage counts {sorted(programs)}, profile "
+    print(f"tune    {data['model']}, grid pp={grid[0]} x dp={grid[1]} x ep={grid[2]}, ZeRO levels "
+          f"{', '.join(map(str, zero_levels))}, batch {batch}, stage counts {sorted(programs)}, profile "
           f"{args.profile}: {scored} distinct plans simulated, {sum(result.refused.values())} did not apply")
     _print_result(result, args, seconds=True)
     best = result.fitting[0]
@@ -260,8 +260,9 @@ def _run_host_tune(args: argparse.Namespace, data: dict) -> int:
         args.out.write_text(best.schedule.dumps())
         cand = best.candidate
         stages = load_recipe(cand.recipe).stages(cand.pp, cand.chunks)
+        zero = {"zero": cand.zero} if levels else {}  # a host without tunable_zero keeps its own flags
         command = module.job_argv(data["host_args"], data["ranks"], recipe=str(args.out), microbatches=cand.microbatches,
-                                  chunks=stages // cand.pp)
+                                  chunks=stages // cand.pp, **zero)
         print(f"\nwrote {args.out}: run it with torchrun --nproc_per_node={data['ranks']} -m {module.program} "
               f"{shlex.join(command)} (and the run's length: --training.steps / --train-iters)")
     return 0

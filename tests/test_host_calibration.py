@@ -262,3 +262,67 @@ def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
         ratio = float(PREDICTED.search(log)[1]) / 1e3 / read_step_traces(trace).median_step(2)
         assert BOUNDS[0] < ratio < BOUNDS[1], (name, ratio)
         _check_peaks(log, trace, name)
+
+
+MEGATRON_DP = ["--pipeline-model-parallel-size", "1", "--num-layers", "2", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--seq-length", "64", "--global-batch-size", "16", "--lr", "1e-3",
+               "--piper-zero", "2"]
+
+
+def _host_profile(tmp_path, host: str, host_args: list[str], programs: dict, grid: dict) -> str:
+    """A host profile as ``piper calibrate --host`` writes it, with hand-set costs: each task 1 ms
+    plus 1 ns per parameter byte, messages 100 us and 1 GB/s."""
+    from piper_plugin.calibrate_host import pack_programs
+    from piper_plugin.scheduler.cost import TASK_FEATURES
+
+    per_task = [1e-3, 0.0, 0.0, 0.0, 1e-9]
+    assert len(per_task) == len(TASK_FEATURES)
+    profile = {"model": f"{host}: test", "host": host, "host_args": host_args, "ranks": 2, "grid": grid,
+               "features": list(TASK_FEATURES), "compute": {k: per_task for k in ("F", "B", "BI", "BW", "UPDATE")},
+               "latency_s": 1e-4, "collective_latency_s": 1e-4, "seconds_per_byte": 1e-9,
+               "programs": pack_programs(programs)}
+    path = tmp_path / f"{host}.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+def test_a_host_profile_on_a_data_parallel_grid_tunes_the_zero_level(capsys, tmp_path):
+    """A Megatron profile of pipeline 1 x data-parallel 2 under Piper's ZeRO: ``piper tune``
+    searches ZeRO 1-3 on that grid (the program's batch is the global one: Megatron's per-replica
+    batch times the replicas) and prints the entry's command with the chosen level."""
+    from piper_plugin.adapters.megatron.program import build_program
+
+    params = {0: [("embedding.word_embeddings.weight", (256, 64), 256 * 64 * 4),
+                  ("decoder.layers.0.mlp.linear_fc1.weight", (256, 64), 256 * 64 * 4),
+                  ("output_layer.weight", (256, 64), 256 * 64 * 4)]}
+    program = build_program(params, microbatch_size=1, microbatches=8, hidden_shape=(64, 1, 64),
+                            dtype=torch.float32, replicas=2)
+    assert program.dag.batch_size == 16
+    path = _host_profile(tmp_path, "megatron", MEGATRON_DP, {1: program}, {"pp": 1, "dp": 2, "ep": 1})
+    best = tmp_path / "best.json"
+    tuned = _piper(capsys, "tune", "--profile", path, "--out", str(best), "--top", "20")
+    assert tuned.returncode == 0, tuned.stderr
+    assert "grid pp=1 x dp=2 x ep=1, ZeRO levels 1, 2, 3" in tuned.stdout, tuned.stdout
+    listed = re.findall(r"^\s*\d+  \S+ pp=1 dp=2 ep=1 zero=(\d) m=(\d+)", tuned.stdout, re.M)
+    assert {z for z, _ in listed} == {"1", "2", "3"}, tuned.stdout
+    zero, m = listed[0]
+    command = re.search(r"-m piper_plugin.adapters.megatron.pretrain_gpt (.*) \(and the run", tuned.stdout)[1].split()
+    assert command[command.index("--micro-batch-size") + 1] == str(8 // int(m))  # per replica
+    assert command[len(command) - 1 - command[::-1].index("--piper-zero") + 1] == zero  # the last one counts
+    from piper_plugin.adapters.megatron.schedule import stage_placement
+
+    assert stage_placement(str(best), pp=1, stages=1, microbatches=int(m)) == {0: 0}  # the entry reads the trace
+
+
+def test_torchtitan_tuned_command_replaces_the_users_zero_level():
+    from piper_plugin.adapters.torchtitan import calibration
+
+    user = ["--config", "llama3_debugmodel_pp2_1f1b", "--parallelism.data_parallel_shard_degree", "2",
+            "--piper.zero=3", "--training.mixed_precision_param", "float32"]
+    assert calibration.tunable_zero(user, 4) == (0, 1, 2, 3)
+    argv = calibration.job_argv(user, 4, recipe="best.json", microbatches=4, chunks=1, zero=1)
+    assert [a for a in argv if a.startswith("--piper.zero")] == ["--piper.zero"]
+    assert argv[argv.index("--piper.zero") + 1] == "1"
+    assert calibration.tunable_zero(["--config", "llama3_debugmodel_pp2_1f1b"], 2) == (0,)
+    assert "--piper.zero" not in calibration.job_argv(["--config", "llama3_debugmodel_pp2_1f1b"], 2,
+                                                      recipe="b.json", microbatches=4, chunks=1, zero=0)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from piper_plugin import UsageError
 
-__all__ = ["program", "calibration_layouts", "job_argv", "tunable_recipes", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_layouts", "job_argv", "tunable_recipes", "tunable_zero", "SET_BY_CALIBRATION"]
 
 program = "piper_plugin.adapters.megatron.pretrain_gpt"
 SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--piper-trace-memory",
@@ -40,7 +40,7 @@ def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tupl
     """(batch per pipeline, layouts): the model's own layout with its two recipes (DualPipeV, the
     split one of a virtual pipeline, only with untied embeddings: its V puts the first and last
     stages on one rank), then, without a virtual pipeline and where the layers split over twice
-    the stages, interleaved 1F1B over a virtual pipeline of 2."""
+    the stages (and there are two at least), interleaved 1F1B over a virtual pipeline of 2."""
     _, parsed = _checked(argv, nproc)
     vpp = parsed.virtual_pipeline_model_parallel_size
     if vpp not in (None, 2):
@@ -49,7 +49,8 @@ def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tupl
     if vpp is None:
         layouts = [(1, "1f1b", "zb-h1")]
         uneven = parsed.decoder_first_pipeline_num_layers or parsed.decoder_last_pipeline_num_layers
-        if not uneven and parsed.num_layers % (2 * parsed.pipeline_model_parallel_size) == 0:
+        pp = parsed.pipeline_model_parallel_size  # Megatron's virtual pipeline needs two stages at least
+        if not uneven and pp > 1 and parsed.num_layers % (2 * pp) == 0:
             layouts.append((2, "interleaved-1f1b", None))
     else:  # without DualPipeV no split backward is measured (BI, BW: half of B)
         layouts = [(2, "interleaved-1f1b", "dualpipev" if parsed.untie_embeddings_and_output_weights else None)]
@@ -57,17 +58,29 @@ def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tupl
 
 
 def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,
-             steps: int | None = None, trace: str | None = None) -> list[str]:
+             steps: int | None = None, trace: str | None = None, zero: int | None = None) -> list[str]:
     """pretrain_gpt's arguments for one calibration job (the user's, then the job's: the last
     wins); two chunks per rank where the model has one add a virtual pipeline of 2. Without
-    ``steps`` and ``trace``: the arguments that run ``recipe`` (a tuned plan's file) so."""
+    ``steps`` and ``trace``: the arguments that run ``recipe`` (a tuned plan's file) so;
+    ``zero``: Piper's ZeRO level for it (one of :func:`tunable_zero`'s; 0 keeps the arguments')."""
     args, parsed = _checked(argv, nproc)
     batch = parsed.global_batch_size // parsed.data_parallel_size
     virtual = (["--virtual-pipeline-model-parallel-size", "2"]
                if chunks == 2 and parsed.virtual_pipeline_model_parallel_size is None else [])
     return [*args, *virtual, "--pipeline-engine", "piper", "--piper-recipe", recipe, "--micro-batch-size",
             str(batch // microbatches), *(["--train-iters", str(steps)] if steps is not None else []),
-            *(["--piper-trace", trace, "--piper-trace-memory"] if trace is not None else [])]
+            *(["--piper-trace", trace, "--piper-trace-memory"] if trace is not None else []),
+            *(["--piper-zero", str(zero)] if zero else [])]
+
+
+def tunable_zero(argv: Sequence[str], nproc: int) -> tuple[int, ...]:
+    """The ZeRO levels ``piper tune`` may pick for these arguments: where Piper's plan spans the
+    data-parallel ranks (the arguments say ``--piper-zero``), every level the entry runs; else
+    the arguments' own (data parallelism, if any, stays Megatron's DDP, outside the plan)."""
+    from piper_plugin.adapters.megatron.zero import LEVELS
+
+    _, parsed = _checked(argv, nproc)
+    return tuple(LEVELS) if parsed.piper_zero is not None else (0,)
 
 
 def tunable_recipes(argv: Sequence[str], nproc: int) -> list[str]:

@@ -194,19 +194,23 @@ class MegatronProgram(Program):
 
 def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, microbatch_size: int,
                   microbatches: int, hidden_shape: tuple[int, ...], dtype: torch.dtype,
-                  model_type: str = "", attention_heads: int = 0) -> MegatronProgram:
+                  model_type: str = "", attention_heads: int = 0, replicas: int = 1) -> MegatronProgram:
     """The single-device DAG of the pipeline's stages, from every stage's parameters
     ``(name in its chunk, shape, bytes)`` (gathered from the ranks that hold them). Sizes are
-    for the plan's batch (``microbatch_size * microbatches`` sequences); ``hidden_shape`` is one
-    microbatch's hidden state between stages (Megatron's ``[seq, batch, hidden]``)."""
+    for the plan's batch, ``microbatch_size * microbatches * replicas`` sequences: ``replicas``
+    is the data-parallel size when the plan itself spans it (Piper's ZeRO; its data axis splits
+    the batch into shards of Megatron's per-replica batch), 1 when Megatron's DDP keeps data
+    parallelism outside the plan. ``hidden_shape`` is one microbatch's hidden state between
+    stages (Megatron's ``[seq, batch, hidden]``)."""
     num = len(params)
     if sorted(params) != list(range(num)):
         raise ValueError(f"stages {sorted(params)} are not 0..{num - 1}")
     numel_hidden = 1
     for d in hidden_shape:
         numel_hidden *= d
-    hidden_bytes = numel_hidden * microbatches * torch.finfo(dtype).bits // 8
-    tokens = hidden_shape[0] * microbatch_size * microbatches
+    samples = microbatch_size * microbatches * replicas  # the plan's batch
+    hidden_bytes = numel_hidden * microbatches * replicas * torch.finfo(dtype).bits // 8
+    tokens = hidden_shape[0] * samples
     regions: dict[str, Region] = {}
     param_bytes: dict[str, int] = {}
     param_shapes: dict[str, tuple[int, ...]] = {}
@@ -227,8 +231,8 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
             backward_splits=not _custom_linears(params[s]))
     return MegatronProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),
-        batch_size=microbatch_size * microbatches, param_bytes=param_bytes, param_shapes=param_shapes,
-        value_shapes={hidden_name(s): (hidden_shape[0], microbatch_size * microbatches, *hidden_shape[2:])
+        batch_size=samples, param_bytes=param_bytes, param_shapes=param_shapes,
+        value_shapes={hidden_name(s): (hidden_shape[0], samples, *hidden_shape[2:])
                       for s in range(num - 1)},
         root_type=model_type)
 

@@ -164,7 +164,8 @@ class _Engine:
         program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
                                 hidden_shape=shape, dtype=config.pipeline_dtype,
                                 model_type=type(_unwrap(chunks[0])).__name__,
-                                attention_heads=config.num_attention_heads // tensor_parallel(pg_collection))
+                                attention_heads=config.num_attention_heads // tensor_parallel(pg_collection),
+                                replicas=dp)
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
         try:
             loaded = recipes.load(name)
@@ -310,11 +311,12 @@ def stage_placement(recipe: str | None, *, pp: int, stages: int, microbatches: i
     name = recipe or ("1f1b" if stages == pp else "interleaved-1f1b")
     try:
         loaded = recipes.load(name)
+        data = {**json.loads(Path(name).read_text()), "model": None} if name.endswith(".json") else {}
+        shards = data.get("grid", {}).get("dp", 1) * data.get("grid", {}).get("ep", 1)  # a trace's data shards
         program = build_program({s: [("weight", (1,), 4)] for s in range(stages)}, microbatch_size=1,
-                                microbatches=microbatches,
-                                hidden_shape=(1, 1, 1), dtype=torch.float32)
-        if name.endswith(".json"):  # a trace (piper tune's): its placement, on a model of as many stages
-            data = {**json.loads(Path(name).read_text()), "model": None}
+                                microbatches=microbatches, hidden_shape=(1, 1, 1), dtype=torch.float32,
+                                replicas=shards)
+        if data:  # a trace (piper tune's): its placement, on a model of as many stages
             plan = compile_program(program, lambda prog: Schedule.from_json(prog, data)).plan
         else:
             plan = compile_program(program, lambda prog: loaded.schedule(

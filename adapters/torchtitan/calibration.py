@@ -18,7 +18,7 @@ from piper_plugin import UsageError
 
 from piper_plugin.adapters.torchtitan.ray_launch import flag_value, titan_argv
 
-__all__ = ["program", "calibration_layouts", "job_argv", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_layouts", "job_argv", "tunable_zero", "SET_BY_CALIBRATION"]
 
 program = "torchtitan.train"
 SET_BY_CALIBRATION = ("--piper.recipe", "--parallelism.pipeline_parallel_microbatch_size", "--training.steps",
@@ -69,6 +69,44 @@ def _layouts(config) -> list[int]:
     return [own, 3 - own]
 
 
+def _without(args: list[str], flag: str) -> list[str]:
+    """``args`` less ``flag`` (either spelling, ``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in _spellings(flag):
+            skip = True
+        elif not a.startswith(tuple(s + "=" for s in _spellings(flag))):
+            out.append(a)
+    return out
+
+
+def _shard_degree(parallelism, nproc: int) -> int:
+    """The data-parallel shard degree the flags give on ``nproc`` ranks (-1: the ranks left)."""
+    degree = parallelism.data_parallel_shard_degree
+    if degree != -1:
+        return degree
+    others = (parallelism.pipeline_parallel_degree * parallelism.data_parallel_replicate_degree
+              * parallelism.tensor_parallel_degree * parallelism.context_parallel_degree)
+    return max(nproc // max(others, 1), 1)
+
+
+def tunable_zero(argv: Sequence[str], nproc: int) -> tuple[int, ...]:
+    """The ZeRO levels ``piper tune`` may pick for these flags: with a data-parallel shard axis,
+    every level the engine accepts beside them (expert parallelism: 1 and 2; parameters in
+    bf16: 1 to 3); without one, 0."""
+    config = _config(_checked(argv))
+    parallelism = config.parallelism
+    if _shard_degree(parallelism, nproc) < 2:
+        return (0,)
+    if parallelism.expert_parallel_degree > 1:
+        return (1, 2)
+    if config.training.mixed_precision_param != "float32":
+        return (1, 2, 3)
+    return (0, 1, 2, 3)
+
+
 def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tuple[int, str, str | None]]]:
     """(local batch, layouts): the config's own stage layout with its two recipes (the second
     splits the backward), then the other where the config leaves the stages to the schedule."""
@@ -78,16 +116,22 @@ def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tupl
 
 
 def job_argv(argv: Sequence[str], nproc: int, *, recipe: str, microbatches: int, chunks: int,
-             steps: int | None = None, trace: str | None = None) -> list[str]:
+             steps: int | None = None, trace: str | None = None, zero: int | None = None) -> list[str]:
     """torchtitan.train's arguments for one calibration job: the calibration's flags first (a
     tyro subcommand among the user's flags scopes what follows it), then the user's; a layout
     other than the config's sets TorchTitan's schedule to one with that many stages per rank.
-    Without ``steps`` and ``trace``: the command that runs ``recipe`` (a tuned plan's file) so."""
+    Without ``steps`` and ``trace``: the command that runs ``recipe`` (a tuned plan's file) so;
+    ``zero``: Piper's ZeRO level for it (one of :func:`tunable_zero`'s), replacing the user's."""
     args = _checked(argv)
     config = _config(args)
+    if zero is not None and _shard_degree(config.parallelism, nproc) > 1:
+        args = _without(args, "--piper.zero")
+    else:
+        zero = None
     module, rest = args[:2], args[2:]  # titan_argv puts --module first
     mine = ["--parallelism.pipeline_engine=piper", "--piper.recipe", recipe,
             "--parallelism.pipeline_parallel_microbatch_size", str(config.training.local_batch_size // microbatches)]
+    mine += ["--piper.zero", str(zero)] if zero is not None else []
     mine += ["--training.steps", str(steps)] if steps is not None else []
     mine += ["--piper.trace", trace, "--piper.trace_memory", "--dump_folder", f"{trace}_dump"] if trace is not None else []
     if chunks != _layouts(config)[0]:
