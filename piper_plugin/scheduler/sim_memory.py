@@ -34,9 +34,8 @@ _BUCKET_COLLECTIVES = frozenset({Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_
 
 class TransientMemory:
     """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
-    a posted stream: when the posting policy posts it; a forward's activations and a backward's
-    gradient payload when it ends: they grow as it runs, while what it frees leaves room) and
-    freed when its last local consumer finishes. A sent message is held from its SEND until the sender notices it arrived: the
+    a posted stream: when the posting policy posts it) and freed when its last local consumer
+    finishes. A sent message is held from its SEND until the sender notices it arrived: the
     runtime lets go of completed sends as a compute task starts, so at the start of the
     sender's first compute task after the matching RECV finished (or at the step's end)."""
 
@@ -100,9 +99,8 @@ class TransientMemory:
                 elif node.kind == Kind.ALL_GATHER:
                     self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
                     held = 0  # counted in peaks(), once per bucket while in use
-                else:  # a backward hands over its gradient payload as it ends; a forward has saved
-                    # all it keeps by its end (a buffer freed while it runs makes room for them)
-                    events.append((finish if node.kind in _BACKWARDS or node.kind == Kind.F else start, held))
+                else:  # a backward hands over its gradient payload as it ends
+                    events.append((finish if node.kind in _BACKWARDS else start, held))
                 if consumers:
                     self.waiting[r][key] = (held, set(consumers))
                     released_by = self.released_by[r]
