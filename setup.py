@@ -26,7 +26,8 @@ setup(
         "cloudpickle>=2",
         "matplotlib>=3.8",
     ],
-    extras_require={"test": ["pytest>=8", "hypothesis>=6", "torchao==0.18.0"]},  # torchao: float8 rows
+    # float8: torchao for the float8 rows (TorchTitan then imports it in every rank: slower tests)
+    extras_require={"test": ["pytest>=8", "hypothesis>=6"], "float8": ["torchao==0.18.0"]},
     entry_points={
         "console_scripts": ["piper=piper_plugin.cli:main"],
         # host adapters' `piper` subcommands: fn(subparsers) adds one (the engine imports no adapter)

@@ -60,7 +60,7 @@ from benchmarks.parity_oracle import single_device_errors
 from piper_plugin import Schedule, measured_costs, measured_result, simulate
 from piper_plugin.recipes import apply_recipe
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "piper_step_ms", "plain_step_ms"]
 
 SIZES = {  # toy LM shapes: "gpu" makes activations dwarf the allocator's rounding and workspaces
     "small": dict(dim=32, layers=4, heads=2, ffn=64, seq=16, vocab=64),
@@ -146,7 +146,7 @@ def _timeline_faults(plan, timelines: dict[int, list], step_s: float) -> list[st
     return faults
 
 
-def _piper_step_ms(job) -> float:
+def piper_step_ms(job) -> float:
     """Median step time of ``job`` on forked ranks without the parity snapshots (host copies
     of every gradient and parameter, which ``_train`` takes for the parity check)."""
     job = dataclasses.replace(job, capture_grads=False)
@@ -155,7 +155,7 @@ def _piper_step_ms(job) -> float:
     return statistics.median(slowest_rank_times(out)) * 1e3
 
 
-def _plain_step_ms(job, microbatches: int) -> float:
+def plain_step_ms(job, microbatches: int) -> float:
     """Median step time of the same model trained the plain way on one device: gradients
     accumulated over the same microbatches, then the optimizer (one torch thread, as a rank)."""
     device = torch.device("cuda", 0) if job.device == "cuda" else torch.device("cpu")
@@ -290,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     one_rank = _job(args, recipe="1f1b", pp=1)
     trained = _train(one_rank)
     record("1f1b 1 rank", trained)
-    piper_ms = _piper_step_ms(one_rank)
-    plain_ms = _plain_step_ms(one_rank, args.microbatches)
+    piper_ms = piper_step_ms(one_rank)
+    plain_ms = plain_step_ms(one_rank, args.microbatches)
     probed = trained["backward_working"]
     working = (f"Backward working memory of one microbatch (the largest region's): size probe on fake tensors, "
                f"as the simulator charges it, {probed / 2**20:.2f} MiB")

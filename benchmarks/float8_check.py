@@ -20,7 +20,6 @@ plain float8 step and against Piper's own fp32 step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -37,10 +36,8 @@ import torch
 import torch.nn as nn
 
 import piper_plugin as piper
-from benchmarks._common import (
-    build_lm, code_version, command_line, lm_config, lm_job, markdown_table, piper_timed_body, run_piper,
-    slowest_rank_times, write_result,
-)
+from benchmarks._common import build_lm, code_version, command_line, lm_config, lm_job, markdown_table, write_result
+from benchmarks.cuda_check import piper_step_ms, plain_step_ms
 from benchmarks.parity_oracle import rel, single_device_errors
 from piper_plugin import Schedule
 from piper_plugin.recipes import apply_recipe, stages_needed
@@ -88,36 +85,6 @@ def _job(args, recipe: str, pp: int, wgrad_stream: bool, float8: bool = True):
                                         wgrad_stream=wgrad_stream)
     job.steps, job.device, job.capture_grads, job.timeout_s = args.steps, args.device, True, args.timeout
     return job
-
-
-def _step_ms(job) -> float:
-    """Median slowest-rank step time of ``job`` without the parity snapshots."""
-    job = dataclasses.replace(job, capture_grads=False)
-    warmup = min(2, job.steps - 1)
-    out = run_piper(job, job.compile(), piper_timed_body(warmup=warmup, steps=job.steps - warmup))
-    return statistics.median(slowest_rank_times(out)) * 1e3
-
-
-def _plain_step_ms(job, microbatches: int) -> float:
-    """Median step time of the same float8 model trained the plain way on one device."""
-    import time
-
-    device = torch.device("cuda", 0) if job.device == "cuda" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = job.build_model().to(device)
-    optimizer = job.optimizer_fn(list(model.parameters()))
-    data, times = job.data_fn(job.seed), []
-    for _ in range(job.steps):
-        batch = [t.to(device) for t in next(data)]
-        sync()
-        start = time.perf_counter()
-        for *inputs, target in zip(*(t.chunk(microbatches) for t in batch)):
-            (job.loss_fn(model(*inputs), target) / microbatches).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[min(2, len(times) - 1):]) * 1e3
 
 
 def _plain_run(job, microbatches: int, device: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
@@ -229,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         verdicts[f"first step {case}"] = max(first.get("loss", 0.0), first.get("grad", 0.0)) <= max(args.tol, 2 * spread)
         verdicts[f"all steps {case}"] = e.grad < own
     one_rank = _job(args, "1f1b", 1, False)
-    piper_ms, plain_ms = _step_ms(one_rank), _plain_step_ms(one_rank, args.microbatches)
-    fp32_ms = _step_ms(_job(args, "1f1b", 1, False, float8=False))
+    piper_ms, plain_ms = piper_step_ms(one_rank), plain_step_ms(one_rank, args.microbatches)
+    fp32_ms = piper_step_ms(_job(args, "1f1b", 1, False, float8=False))
     timing = (f"One rank, 1F1B over {args.microbatches} microbatches, medians from step 3 on: Piper float8 / plain "
               f"PyTorch float8 {piper_ms / plain_ms:.3f} ({piper_ms:.1f} vs {plain_ms:.1f} ms); Piper float8 / "
               f"Piper fp32 {piper_ms / fp32_ms:.3f} ({fp32_ms:.1f} ms fp32)")
