@@ -15,7 +15,10 @@ TorchTitan's and Megatron's do) with:
   step trace into ``trace`` (:class:`~piper_plugin.StepTrace`); without ``steps`` and ``trace``,
   the arguments that run a tuned plan's file;
 - optionally ``tunable_recipes(argv, nproc)``: the built-in recipes the host runs for them
-  (``piper tune`` searches only those).
+  (``piper tune`` searches only those);
+- optionally ``tunable_zero(argv, nproc)``: the ZeRO levels the host runs beside them
+  (``piper tune`` searches those and passes the one it picks to ``job_argv(..., zero=)``;
+  without it: the command's own level, as level 0).
 
 Each job runs as the user would run it (torchrun, gloo, 1 torch thread per rank); its trace
 gives the plan, every task's span and each step's seconds, which the toy calibration's fit
