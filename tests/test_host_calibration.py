@@ -2,7 +2,11 @@
 through its adapter, from the step traces its jobs write; with it the adapters' ``--piper.profile``
 / ``--piper-profile`` predict the step of schedules the calibration never ran, against their
 measured steps. Also: the step trace's layout, the FLOPs the host programs carry, and the one-line
-errors of the command."""
+errors of the command.
+
+The calibrations here fork their jobs' ranks from the TorchTitan zygote of :mod:`titan_fork`
+(``run_host_job_forked``: torchrun's environment, without ~6 s of imports per job); torchrun
+itself starts the jobs of ``test_torchtitan_parity``'s issue command and ``test_titan_launch``."""
 from __future__ import annotations
 
 import json
@@ -13,7 +17,7 @@ import pytest
 import torch
 
 from piper_plugin import StepTrace, capture, compile_program, read_step_traces, recipes, simulate
-from piper_plugin.calibrate_host import run_host_job
+from piper_plugin import calibrate_host
 from piper_plugin.cli import main
 from piper_plugin.models import TOY_MODELS, lm_batch, lm_loss
 
@@ -34,6 +38,15 @@ def _check_peaks(log: str, trace, name: str) -> None:
     for rank, mib in enumerate(predicted):
         ratio = mib / measured[rank]
         assert MEMORY_BOUNDS[0] < ratio < MEMORY_BOUNDS[1], (name, rank, mib, measured[rank])
+
+
+@pytest.fixture
+def forked_jobs(monkeypatch):
+    """``piper calibrate --host`` runs its jobs with forked ranks (:func:`run_host_job_forked`)."""
+    from titan_fork import run_host_job_forked
+
+    monkeypatch.setattr(calibrate_host, "run_host_job", run_host_job_forked)
+    return run_host_job_forked
 
 
 def _piper(capsys, *argv) -> subprocess.CompletedProcess:
@@ -196,12 +209,13 @@ def _check_jobs(profile: dict) -> None:
 
 
 @pytest.mark.slow
-def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tmp_path):
+def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tmp_path, forked_jobs):
     """Calibrated on llama3_debugmodel_pp2_1f1b (1F1B and ZB-H1 on its 2 stages, interleaved 1F1B on
     4), the profile predicts GPipe; ``piper tune`` with it searches the host's own programs and
     writes a plan that TorchTitan runs by the printed command, its step as predicted."""
+    from titan_fork import run_titan_forked
+
     from piper_plugin.adapters.torchtitan.calibration import job_argv
-    from piper_plugin.adapters.torchtitan.launch import run_titan
 
     path, best = tmp_path / "tt.json", tmp_path / "best.json"
     user = ["--config", "llama3_debugmodel_pp2_1f1b"]
@@ -222,7 +236,7 @@ def test_torchtitan_profile_predicts_and_tunes_schedules_it_never_ran(capsys, tm
     runs = {"gpipe": ["--piper.recipe", "gpipe"], "tuned": tuned_flags}
     for name, extra in runs.items():
         trace = tmp_path / name
-        run = run_titan("llama3_debugmodel_pp2_1f1b", "piper", dump_folder=tmp_path / f"{name}_dump", steps=6,
+        run = run_titan_forked("llama3_debugmodel_pp2_1f1b", "piper", dump_folder=tmp_path / f"{name}_dump", steps=6,
                         extra=[*extra, "--piper.trace", str(trace), "--piper.trace_memory", "--piper.profile", str(path)])
         assert run.ok, run.tail()
         predicted = float(PREDICTED.search(run.log)[1]) / 1e3
@@ -237,7 +251,7 @@ MEGATRON = ["--pipeline-model-parallel-size", "2", "--num-layers", "8", "--hidde
 
 
 @pytest.mark.slow
-def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
+def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path, forked_jobs):
     """Calibrated with 1F1B, ZB-H1 and interleaved 1F1B, the profile predicts DualPipeV's V (never
     run); ``piper tune`` with it writes a trace the entry runs by the printed command (the
     entry reads the trace's placement before it builds the chunks), its step as predicted."""
@@ -255,7 +269,7 @@ def test_megatron_profile_predicts_dualpipev_and_tunes(capsys, tmp_path):
             "tuned": command.split()}
     for name, argv in runs.items():
         trace = tmp_path / name
-        code, log = run_host_job("piper_plugin.adapters.megatron.pretrain_gpt", [
+        code, log = forked_jobs("piper_plugin.adapters.megatron.pretrain_gpt", [
             *argv, "--train-iters", "6", "--piper-trace", str(trace), "--piper-trace-memory", "--piper-profile",
             str(path)], 2, tmp_path)
         assert code == 0, (name, log[-3000:])

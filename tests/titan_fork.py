@@ -1,4 +1,5 @@
-"""``torchtitan.train`` ranks forked from one process that has imported TorchTitan already.
+"""``torchtitan.train`` (and Megatron entry) ranks forked from one process that has imported
+TorchTitan and the adapters already.
 
 torchrun starts each rank as a fresh interpreter, and importing ``torchtitan.train`` alone costs
 ~10 s of CPU per rank on this machine; the TorchTitan parity tests run some twenty jobs. Here one
@@ -12,6 +13,10 @@ the others. The zygote never runs a tensor op nor starts a Python thread, so for
 TorchTitan's rank 0 sleeps 2 s after its last step "for other ranks to complete" (torchrun would
 otherwise stop them as it exits); here the zygote waits for every rank itself, so the forked
 ranks skip that sleep (:func:`_without_exit_sleep`): 2 s less per job, nothing else changes.
+
+:func:`run_host_job_forked` is :func:`piper_plugin.calibrate_host.run_host_job` (``torchrun -m
+PROGRAM ARGV``) with the ranks forked so: ``torchtitan.train`` as above, any other program (the
+Megatron entry, ``piper_plugin.adapters.megatron.pretrain_gpt``) run as ``python -m`` runs it.
 
 The issue's own command (``test_issue_command_runs_stock_config_with_the_flag``), ``piper launch``
 and the A/B benchmark still start real torchrun jobs.
@@ -31,6 +36,7 @@ from typing import Sequence
 from piper_plugin.adapters.torchtitan.launch import TitanRun, parse_steps, titan_args, titan_command, train_main
 from piper_plugin.runtime.launch.processes import free_port
 
+TITAN = "torchtitan.train"
 FAIL_GRACE_S = 10.0  # after one rank fails, the others get this long to exit before SIGKILL
 
 
@@ -46,7 +52,17 @@ def _rank(job: dict, rank: int, port: int) -> None:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
                            "WORLD_SIZE": str(job["nproc"]), "LOCAL_WORLD_SIZE": str(job["nproc"]),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        train_main(job["argv"], threads=job["threads"])
+        program = job.get("program", TITAN)
+        if program == TITAN:
+            train_main(job["argv"], threads=job["threads"])
+        else:
+            import runpy
+
+            import torch
+
+            torch.set_num_threads(job["threads"])
+            sys.argv = [program, *job["argv"]]
+            runpy.run_module(program, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -122,6 +138,7 @@ def zygote_main() -> None:
     _without_exit_sleep()
     import piper_plugin.adapters.torchtitan.config_registry  # noqa: F401
     import piper_plugin.adapters.torchtitan.pipelining  # noqa: F401
+    import piper_plugin.adapters.megatron.pretrain_gpt  # noqa: F401
 
     answers.write("ready\n")
     for line in sys.stdin:
@@ -166,21 +183,41 @@ def run_titan_forked(config: str, engine: str, *, dump_folder: str | Path, nproc
     log.unlink(missing_ok=True)
     job = {"argv": titan_args(config, engine, steps=steps, extra=tail), "nproc": nproc, "cwd": str(dump),
            "log": str(log), "timeout_s": timeout_s, "threads": threads}
-    zygote = _get_zygote()
     start = time.perf_counter()
+    code, text = _ask(job)
+    run = TitanRun(titan_command(config, engine, nproc=nproc, steps=steps, extra=tail), code,
+                   time.perf_counter() - start, text)
+    run.losses, run.grad_norms, run.tps = parse_steps(text)
+    return run
+
+
+def _ask(job: dict) -> tuple[int, str]:
+    """Run ``job`` in the zygote: (exit status, the ranks' log)."""
+    zygote = _get_zygote()
     zygote.stdin.write(json.dumps(job) + "\n")
     zygote.stdin.flush()
     answer = zygote.stdout.readline()
     if not answer:
         raise RuntimeError(f"the torchtitan.train zygote died (exit {zygote.poll()})")
     code = json.loads(answer)["returncode"]
-    text = log.read_text(errors="replace") if log.exists() else ""
+    text = Path(job["log"]).read_text(errors="replace") if Path(job["log"]).exists() else ""
     if code == 124:
-        text += f"\ntimed out after {timeout_s}s"
-    run = TitanRun(titan_command(config, engine, nproc=nproc, steps=steps, extra=tail), code,
-                   time.perf_counter() - start, text)
-    run.losses, run.grad_norms, run.tps = parse_steps(text)
-    return run
+        text += f"\ntimed out after {job['timeout_s']}s"
+    return code, text
+
+
+def run_host_job_forked(program: str, argv: Sequence[str], nproc: int, cwd: Path,
+                        timeout_s: float = 900.0) -> tuple[int, str]:
+    """What :func:`piper_plugin.calibrate_host.run_host_job` does, with forked ranks."""
+    import tempfile
+
+    fd, log = tempfile.mkstemp(prefix="ranks_", suffix=".log", dir=cwd)
+    os.close(fd)
+    try:
+        return _ask({"program": program, "argv": list(argv), "nproc": nproc, "cwd": str(cwd), "log": log,
+                     "timeout_s": timeout_s, "threads": 1})
+    finally:
+        os.unlink(log)
 
 
 if __name__ == "__main__":
