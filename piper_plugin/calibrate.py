@@ -8,7 +8,9 @@ what dominates small models on a CPU), per forward matmul FLOP and per activatio
 microbatch, and per parameter byte (:func:`piper_plugin.scheduler.cost.task_features`). Messages: rank 0 and 1 time
 ping-pongs of several sizes (gloo) for the seconds per byte; the time per message the
 simulator charges is then the one (searched over 1 us-100 ms) whose simulations of the
-calibration jobs come closest to their measured step times (log error): it carries what the
+calibration jobs come closest to their measured step times (log error), each simulated step
+with the step overhead added (what a job's last step spent before its first task and after its
+last, over all ranks: the median over the jobs): it carries what the
 runtime adds to each message (its threads, copies, waits), which a raw ping-pong does not; with
 it, the share of a message's time that also holds the rank's compute (gloo copies and reduces
 on the cores that compute; searched over 0-100%), which decides whether overlapping a
@@ -32,7 +34,7 @@ from typing import Any, Callable
 
 __all__ = ["CALIBRATION_JOBS", "calibrate", "fit_profile", "measure_messages", "cost_model", "read_profile",
            "predict_plan", "prediction_line",
-           "fit_compute", "fit_messages", "fit_latency", "task_samples", "fit_latencies", "fit_cpu_share"]
+           "fit_compute", "fit_messages", "step_outside_tasks", "collective_samples", "fit_latency", "task_samples", "fit_latencies", "fit_cpu_share"]
 
 KINDS = ("F", "B", "BI", "BW", "UPDATE")
 # (recipe, pipeline over "all" ranks or "one" (data parallel), microbatches, ZeRO level, chunks per
@@ -120,6 +122,39 @@ def _core_seconds(start: float, end: float, computing: list[tuple[float, float]]
     return total
 
 
+def collective_samples(plan, timelines) -> list[tuple[float, float]]:
+    """``(bytes it moves per member, seconds)`` of every collective in a step's ``timelines``
+    (per process, of one clock): from when its last member started it to when the first one
+    it was seen done by (its end stamps are upper bounds: when the runtime noticed); the bytes
+    as the simulator's ring formulas count them (:meth:`CostModel.comm`)."""
+    from piper_plugin.ir.nodes import COLLECTIVES
+    from piper_plugin.scheduler.cost import CostModel
+
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for timeline in timelines:
+        for _, key, start, end in timeline:
+            spans.setdefault(key, []).append((start, end))
+    per_byte = CostModel(seconds_per_byte=1.0)
+    out = []
+    for key, seen in spans.items():
+        node = plan.node(key)
+        if node.kind not in COLLECTIVES or not node.bytes or len(seen) < 2:
+            continue
+        size = len(next(iter(plan.grid.groups(node.axis, node.devices))))
+        out.append((per_byte.comm(node, size), max(0.0, min(e for _, e in seen) - max(s for s, _ in seen))))
+    return out
+
+
+def step_outside_tasks(seconds: float, timelines) -> float:
+    """Of a step's measured ``seconds`` (its slowest process's), what lies outside its tasks: the
+    seconds less the span from the first task's start to the last one's end over every rank's
+    ``timelines`` of that step (one clock on one machine); never below 0."""
+    spans = [(start, end) for timeline in timelines for _, _, start, end in timeline]
+    if not spans:
+        return 0.0
+    return max(0.0, seconds - (max(e for _, e in spans) - min(s for s, _ in spans)))
+
+
 def fit_messages(samples: list[tuple[int, float]]) -> tuple[float, float]:
     """``(bytes, seconds)`` of single messages -> (latency, seconds per byte)."""
     latency, per_byte = _nnls([[1.0, float(n)] for n, _ in samples], [t for _, t in samples])
@@ -170,6 +205,8 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
     shared = cpus if ranks > cpus else None  # more ranks than cores: they share them
     samples: list[tuple[str, tuple[float, ...], float]] = []
     steps_measured: list[tuple[str, Any, float]] = []  # (job, plan, median step of the slowest rank)
+    outside: list[float] = []  # per job: its last step's time outside its tasks
+    collectives: list[tuple[float, float]] = []  # (bytes, seconds) of the collectives the jobs ran
     for recipe, grid, m, zero, chunks in CALIBRATION_JOBS:
         pp = ranks if grid == "all" else 1
         dp = ranks // pp
@@ -192,13 +229,17 @@ def calibrate(*, model: str, ranks: int, layers: int, batch: int, seq: int = 32,
             slowest[m_["step"]] = max(slowest.get(m_["step"], 0.0), m_["step_time_s"])
         name = f"{recipe} pp={pp} dp={dp} m={m} zero={zero}" + (f" v={chunks}" if chunks > 1 else "")
         steps_measured.append((name, plan, statistics.median(t for s_, t in slowest.items() if s_ >= WARMUP_STEPS)))
-        samples += task_samples(plan, {r: result["timeline"] for r, result in per_rank.items()}, shared)
+        timelines = {r: result["timeline"] for r, result in per_rank.items()}
+        samples += task_samples(plan, timelines, shared)
+        outside.append(step_outside_tasks(slowest[max(slowest)], timelines.values()))
+        collectives += collective_samples(plan, timelines.values())
         say(f"calibrate  {name}: {len(plan.dag.regions)} regions, step {steps_measured[-1][2] * 1e3:.1f} ms, "
             f"{time.monotonic() - started:.1f} s")
     if not steps_measured:
         raise ValueError(f"batch {batch} does not split into any calibration job's microbatches on {ranks} ranks; "
                          f"use a batch that is a multiple of {8 * ranks}")
-    profile = fit_profile(samples, steps_measured, measure_messages(ranks), cores=shared, say=say)
+    profile = fit_profile(samples, steps_measured, measure_messages(ranks), cores=shared, outside_tasks=outside,
+                          collectives=collectives, say=say)
     return {"model": model, "layers": layers, "batch": batch, "seq": seq, "ranks": ranks, **profile}
 
 
@@ -220,21 +261,32 @@ def measure_messages(ranks: int) -> dict[str, list[tuple[int, float]]]:
 
 def fit_profile(samples: list[tuple[str, tuple[float, ...], float]], steps_measured: list[tuple[str, Any, float]],
                 messages: dict[str, list[tuple[int, float]]], *, cores: int | None = None,
+                outside_tasks: list[float] = (), collectives: list[tuple[float, float]] = (),
                 say: Callable[[str], None] = print) -> dict[str, Any]:
     """The profile's fitted part: compute coefficients from the task ``samples``, message
-    bytes/s from the ping-pong ``messages``, and the per-message times and CPU share from the
-    ``(job, plan, measured median step)`` list; each job's predicted step beside its measured one."""
+    bytes/s from the ping-pong ``messages``, the step overhead (the median of ``outside_tasks``,
+    each job's :func:`step_outside_tasks`), and the per-message times and CPU share from the
+    ``(job, plan, measured median step)`` list; each job's predicted step beside its measured one.
+    With ``collectives`` (:func:`collective_samples` of the jobs' steps) the per-collective time
+    is measured, not fitted: the median of each one's seconds less its bytes at the ping-pongs'
+    rate."""
     from piper_plugin.scheduler.cost import TASK_FEATURES
 
     wire_latency, per_byte = fit_messages(messages["p2p"])
     compute = fit_compute(samples)
+    overhead = statistics.median(outside_tasks) if outside_tasks else 0.0
+    measured = (max(LATENCIES[0], statistics.median(t - n * per_byte for n, t in collectives))
+                if collectives else None)
     latency, collective, share = fit_cpu_share(compute, per_byte, [(plan, step) for _, plan, step in steps_measured],
-                                               cores=cores)
+                                               cores=cores, overhead=overhead, collective=measured)
     predicted = _predict(compute, (latency, collective), per_byte, [plan for _, plan, _ in steps_measured], share,
-                         cores)
+                         cores, overhead)
+    say(f"calibrate  step overhead (the step's time before its first task and after its last) "
+        f"{overhead * 1e3:.1f} ms")
     say(f"calibrate  messages: ping-pong latency {wire_latency * 1e6:.0f} us, "
         f"{1 / per_byte / 1e6 if per_byte else float('inf'):.0f} MB/s; per message in the runtime "
-        f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective, {share:.0%} of it on the "
+        f"{latency * 1e6:.0f} us point to point, {collective * 1e6:.0f} us per collective "
+        f"({f'measured: {len(collectives)} collectives' if collectives else 'fitted'}), {share:.0%} of it on the "
         f"compute's CPU" + (f"; the ranks share {cores} cores (tasks charged the core time they had)" if cores
                             else ""))
     jobs = [{"job": name, "measured_step_s": step, "predicted_step_s": p}
@@ -244,28 +296,28 @@ def fit_profile(samples: list[tuple[str, tuple[float, ...], float]], steps_measu
             f"measured {j['measured_step_s'] * 1e3:.1f} ms")
     return {"features": list(TASK_FEATURES),
             "compute": compute, "latency_s": latency, "collective_latency_s": collective, "seconds_per_byte": per_byte,
-            "comm_cpu_share": share, "cores": cores,
+            "comm_cpu_share": share, "cores": cores, "step_overhead_s": overhead,
             "ping_pong_latency_s": wire_latency, "messages": messages, "tasks_measured": len(samples),
             "jobs": jobs}
 
 
 def _model(compute: dict[str, Any], latencies: tuple[float, float], per_byte: float, cpu_share: float = 0.0,
-           cores: int | None = None):
-    """``latencies``: (point to point, collective) seconds per message."""
+           cores: int | None = None, overhead: float = 0.0):
+    """``latencies``: (point to point, collective) seconds per message; ``overhead``: per step."""
     from piper_plugin.ir.nodes import COLLECTIVES
     from piper_plugin.scheduler.cost import CostModel
 
     p2p, collective = latencies
     return CostModel(linear={k: tuple(float(c) for c in v) for k, v in compute.items()}, latency=p2p,
                      latency_by_kind={kind.value: collective for kind in COLLECTIVES}, seconds_per_byte=per_byte,
-                     comm_cpu_share=cpu_share, cores=cores)
+                     comm_cpu_share=cpu_share, cores=cores, step_overhead=overhead)
 
 
 def _predict(compute: dict[str, list[float]], latencies: tuple[float, float], per_byte: float,
-             plans: list, cpu_share: float = 0.0, cores: int | None = None) -> list[float]:
+             plans: list, cpu_share: float = 0.0, cores: int | None = None, overhead: float = 0.0) -> list[float]:
     from piper_plugin.scheduler.simulate import simulate
 
-    cost = _model(compute, latencies, per_byte, cpu_share, cores)
+    cost = _model(compute, latencies, per_byte, cpu_share, cores, overhead)
     return [simulate(plan, cost).step_time for plan in plans]
 
 
@@ -274,22 +326,25 @@ def _log_error(predicted: list[float], measured: list[float]) -> float:
 
 
 def fit_cpu_share(compute: dict[str, list[float]], per_byte: float,
-                  measured: list[tuple[Any, float]], cores: int | None = None) -> tuple[float, float, float]:
+                  measured: list[tuple[Any, float]], cores: int | None = None,
+                  overhead: float = 0.0, collective: float | None = None) -> tuple[float, float, float]:
     """(point to point, collective, CPU share): for each share of :data:`CPU_SHARES` the
     per-message times :func:`fit_latencies` gives, and the share whose simulated steps of the
     ``(plan, measured step)`` pairs have the least squared log error."""
     plans, steps = [p for p, _ in measured], [s for _, s in measured]
     best = None
     for share in CPU_SHARES:
-        pair = fit_latencies(compute, per_byte, measured, cpu_share=share, cores=cores)
-        error = _log_error(_predict(compute, pair, per_byte, plans, share, cores), steps)
+        pair = fit_latencies(compute, per_byte, measured, cpu_share=share, cores=cores, overhead=overhead,
+                             collective=collective)
+        error = _log_error(_predict(compute, pair, per_byte, plans, share, cores, overhead), steps)
         if best is None or error < best[0]:
             best = (error, (*pair, share))
     return best[1]
 
 
 def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list[tuple[Any, float]],
-                which: int = 0, other: float | None = None, cpu_share: float = 0.0, cores: int | None = None) -> float:
+                which: int = 0, other: float | None = None, cpu_share: float = 0.0, cores: int | None = None,
+                overhead: float = 0.0) -> float:
     """The per-message time (of :data:`LATENCIES`) whose simulated steps of the ``(plan,
     measured step)`` pairs have the least squared log error: ``which`` 0 fits the point-to-point
     time (collectives at ``other``, or the same), 1 the collectives' (point to point at ``other``)."""
@@ -297,18 +352,19 @@ def fit_latency(compute: dict[str, list[float]], per_byte: float, measured: list
 
     def error(latency: float) -> float:
         pair = (latency, latency if other is None else other)
-        return _log_error(_predict(compute, pair if which == 0 else pair[::-1], per_byte, plans, cpu_share, cores),
-                          steps)
+        return _log_error(_predict(compute, pair if which == 0 else pair[::-1], per_byte, plans, cpu_share, cores,
+                                   overhead), steps)
 
     return min(LATENCIES, key=error)
 
 
 def fit_latencies(compute: dict[str, list[float]], per_byte: float,
                   measured: list[tuple[Any, float]], cpu_share: float = 0.0,
-                  cores: int | None = None) -> tuple[float, float]:
+                  cores: int | None = None, overhead: float = 0.0,
+                  collective: float | None = None) -> tuple[float, float]:
     """(point to point, collective) per-message times: the first from the jobs without
     collectives, the second from the others with it fixed (one time for both when either set
-    of jobs is empty)."""
+    of jobs is empty); with ``collective`` (measured) the first from every job, the second that."""
     from piper_plugin.ir.nodes import COLLECTIVES
 
     def has_collectives(plan) -> bool:
@@ -316,11 +372,15 @@ def fit_latencies(compute: dict[str, list[float]], per_byte: float,
 
     p2p_only = [(p, s) for p, s in measured if not has_collectives(p)]
     rest = [(p, s) for p, s in measured if has_collectives(p)]
+    if collective is not None:
+        return fit_latency(compute, per_byte, p2p_only or measured, other=collective, cpu_share=cpu_share,
+                           cores=cores, overhead=overhead), collective
     if not p2p_only or not rest:
-        both = fit_latency(compute, per_byte, measured, cpu_share=cpu_share, cores=cores)
+        both = fit_latency(compute, per_byte, measured, cpu_share=cpu_share, cores=cores, overhead=overhead)
         return both, both
-    p2p = fit_latency(compute, per_byte, p2p_only, cpu_share=cpu_share, cores=cores)
-    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share, cores=cores)
+    p2p = fit_latency(compute, per_byte, p2p_only, cpu_share=cpu_share, cores=cores, overhead=overhead)
+    return p2p, fit_latency(compute, per_byte, rest, which=1, other=p2p, cpu_share=cpu_share, cores=cores,
+                            overhead=overhead)
 
 
 def _not_a_profile(where: str, exc: BaseException) -> ValueError:
@@ -354,7 +414,7 @@ def cost_model(profile: dict[str, Any] | str | Path):
         cores = profile.get("cores")
         return _model(profile["compute"], (latency, float(profile.get("collective_latency_s", latency))),
                       float(profile["seconds_per_byte"]), float(profile.get("comm_cpu_share", 0.0)),
-                      int(cores) if cores else None)
+                      int(cores) if cores else None, float(profile.get("step_overhead_s", 0.0)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         if not where:
             raise

@@ -108,7 +108,8 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     two forked ranks, fit; the profile. A job that fails runs once more; failing again it is
     left out, its output kept in the profile's ``failed_jobs``; none succeeding raises
     :class:`HostJobsFailed` with the first failure's output."""
-    from piper_plugin.calibrate import WARMUP_STEPS, fit_profile, measure_messages, task_samples
+    from piper_plugin.calibrate import (WARMUP_STEPS, collective_samples, fit_profile, measure_messages,
+                                        step_outside_tasks, task_samples)
     from piper_plugin.measured_memory import memory_samples, stage_count
     from piper_plugin.step_trace import read_step_traces
 
@@ -121,10 +122,12 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     cpus = os.cpu_count() or nproc
     shared = cpus if nproc > cpus else None
     samples: list = []
+    outside: list[float] = []  # per job: its last step's time outside its tasks
+    collectives: list[tuple[float, float]] = []  # (bytes, seconds) of the collectives the jobs ran
     steps_measured: list[tuple[str, Any, float]] = []
     programs: dict[int, Any] = {}  # stage count -> the host's program (for piper tune)
     memory: dict[int, list] = {}  # stage count -> (region, part, scale, bytes) the jobs' meters measured
-    peaks: list[dict[int, int]] = []  # per job: plan rank -> its measured peak transient bytes
+    peaks: list[dict[int, int]] = []  # per job: plan rank -> its median peak transient bytes after the warm-up
     failures: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
         for recipe, m, chunks in jobs:
@@ -150,8 +153,10 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
             steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
             memory.setdefault(stage_count(plan.dag.regions), []).extend(
                 memory_samples(plan, traced.windows, traced.kept_for_weights))
-            peaks.append(traced.peak_transient)
+            peaks.append(traced.median_peaks(WARMUP_STEPS))
             samples += task_samples(plan, traced.timelines, shared)
+            outside.append(step_outside_tasks(traced.step_seconds[-1], traced.last_timelines))
+            collectives += collective_samples(plan, traced.last_timelines)
             say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
                 f"{steps_measured[-1][2] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s")
     if not steps_measured:
@@ -160,7 +165,8 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                                  f"{failures[0][0]}, ended so:", failures[0][1])
         raise HostJobsFailed(f"--host {host} proposed no calibration job for these arguments", "")
     messages = measure_messages(nproc)
-    profile = fit_profile(samples, steps_measured, messages, cores=shared, say=say)
+    profile = fit_profile(samples, steps_measured, messages, cores=shared, outside_tasks=outside,
+                          collectives=collectives, say=say)
     profile["memory"] = _fit_memory(memory)
     _check_memory(profile, steps_measured, peaks, say)
     grid = steps_measured[0][1].grid
@@ -178,7 +184,8 @@ def _fit_memory(samples: dict[int, list]) -> dict[str, Any]:
 
 def _check_memory(profile: dict[str, Any], steps_measured: list, peaks: list[dict[int, int]],
                   say: Callable[[str], None]) -> None:
-    """Each job's peak transient bytes per plan rank, measured and as the profile just fitted
+    """Each job's peak transient bytes per plan rank, measured (the median over its steps after
+    the warm-up) and as the profile just fitted
     predicts them (:func:`~piper_plugin.calibrate.predict_plan`, as the adapters' profile lines do;
     into the profile's ``jobs``)."""
     from piper_plugin.calibrate import predict_plan

@@ -71,7 +71,8 @@ class TracedSteps:
     the program (None where the writer gave none). Where the writer recorded memory: per plan
     rank the latest step's peak transient bytes (the highest of its processes), its first
     process's memory windows ``(task, count, change, rise)`` and what its input-gradient tasks
-    kept for their weight passes; empty otherwise."""
+    kept for their weight passes, and every step's peak (the highest of its processes); empty
+    otherwise. ``last_timelines``: the latest step's timeline of every process (replicas too)."""
 
     plan: Any
     timelines: dict[int, list[tuple[str, str, float, float]]]
@@ -80,6 +81,13 @@ class TracedSteps:
     peak_transient: dict[int, int] = field(default_factory=dict)
     windows: dict[int, list[tuple[str, int, int, int]]] = field(default_factory=dict)
     kept_for_weights: dict[int, dict[str, int]] = field(default_factory=dict)
+    last_timelines: list[list[tuple[str, str, float, float]]] = field(default_factory=list)  # every process's
+    step_peaks: dict[int, list[int]] = field(default_factory=dict)  # plan rank -> every step's peak
+
+    def median_peaks(self, skip: int) -> dict[int, int]:
+        """Per plan rank, the median of its peak transient bytes over the steps after the first
+        ``skip`` (a step whose gradient reduction ran late holds more than most)."""
+        return {r: int(statistics.median(p[skip:] or p)) for r, p in self.step_peaks.items()}
 
     def median_step(self, skip: int) -> float:
         """The median step after the first ``skip`` (warm-up)."""
@@ -105,10 +113,13 @@ def read_step_traces(folder: str | Path) -> TracedSteps:
     peaks: dict[int, int] = {}
     windows: dict[int, list] = {}
     kept: dict[int, dict[str, int]] = {}
+    step_peaks: dict[int, list[int]] = {}
     for r in ranks:
         timelines.setdefault(r["plan_rank"], [tuple(e) for e in r["timeline"]])
         if r.get("peak_transient_bytes"):
             peaks[r["plan_rank"]] = max(peaks.get(r["plan_rank"], 0), r["peak_transient_bytes"][-1])
+            seen = step_peaks.setdefault(r["plan_rank"], list(r["peak_transient_bytes"]))
+            step_peaks[r["plan_rank"]] = [max(a, b) for a, b in zip(seen, r["peak_transient_bytes"])]
             windows.setdefault(r["plan_rank"], [tuple(w) for w in r["windows"]])
             kept.setdefault(r["plan_rank"], dict(r.get("kept_for_weights", {})))
     steps = [max(r["step_seconds"][i] for r in ranks) for i in range(ranks[0]["step"])]
@@ -116,4 +127,5 @@ def read_step_traces(folder: str | Path) -> TracedSteps:
     if (folder / "program.pkl").exists():
         with open(folder / "program.pkl", "rb") as f:
             program = pickle.load(f)
-    return TracedSteps(plan, timelines, steps, program, peaks, windows, kept)
+    return TracedSteps(plan, timelines, steps, program, peaks, windows, kept,
+                       [[tuple(e) for e in r["timeline"]] for r in ranks], step_peaks)

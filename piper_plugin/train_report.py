@@ -194,4 +194,5 @@ def _split_p2p_rows(plan, result: SimResult) -> SimResult:
 
     timeline = [(r, row(r, stream), *rest) for r, stream, *rest in result.timeline]
     return SimResult(step_time=result.step_time, busy=result.busy, timeline=timeline,
-                     static_bytes=result.static_bytes, peak_transient_bytes=result.peak_transient_bytes)
+                     static_bytes=result.static_bytes, peak_transient_bytes=result.peak_transient_bytes,
+                     step_overhead=result.step_overhead)

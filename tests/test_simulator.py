@@ -270,3 +270,23 @@ def test_ranks_that_share_fewer_cores_take_turns():
         level += step
         peak = max(peak, level)
     assert peak == 2
+
+
+def test_a_forwards_activations_rise_over_its_span():
+    """pp=1 x dp=2 at ZeRO-2: each microbatch's gradient (G) waits for its reduce-scatter, which
+    also holds G while it runs, beside the next forward (1 s). The forward saves its activations
+    (A per microbatch) as it runs: a reduce-scatter of 0.5 s ends half-way through it, at A/2 +
+    2G; one of 2 s outlasts it, A + 2G (counting A from the forward's start gave that for both)."""
+    from piper_plugin.ir.graph import BackwardBytes
+
+    peaks = {}
+    for latency in (0.5, 2.0):
+        cost = CostModel(F=1.0, B=2.0, latency_by_kind={Kind.REDUCE_SCATTER.value: latency})
+        plan, result = _simulate("1f1b", 1, 4, dp=2, zero=2, cost=cost, backward=BackwardBytes())
+        peaks[latency] = result.peak_transient_bytes
+    (region,) = plan.dag.regions.values()
+    activations = region.activation_bytes // 8  # 4 microbatches x 2 data shards
+    gradient = sum(b.numel * 4 for b in plan.dag.buckets[region.name])
+    assert 2 * gradient > activations / 2  # the reduce-scatter's end is the peak, not the forward's
+    assert peaks[0.5] == [activations // 2 + 2 * gradient] * 2
+    assert peaks[2.0] == [activations + 2 * gradient] * 2

@@ -7,6 +7,7 @@ Collective time follows ring algorithms: all-reduce moves 2(n-1)/n of the buffer
 reduce-scatter and all-to-all (n-1)/n. ``comm_cpu_share`` of a communication task's time also
 holds its rank's compute unit (communication that costs CPU, as gloo's on a CPU); with ``cores``
 all ranks' compute tasks share that many units (more ranks than cores on one machine).
+``step_overhead`` is added to the step once, outside every task (memory does not see it).
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ class CostModel:
     # compute units the ranks share (a machine's cores when it runs more ranks than it has, one
     # process per rank); None: every rank its own
     cores: int | None = None
+    # seconds a step takes beyond its tasks' makespan: the runtime's work before the first task
+    # starts and after the last ends (a calibrated profile measures it; the step time adds it)
+    step_overhead: float = 0.0
     flops_per_second: float | None = None  # if set, compute time comes from region FLOPs
     per_region: dict[str, float] = field(default_factory=dict)  # multiplier per region
     per_task: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, region) -> seconds, first

@@ -35,7 +35,10 @@ _BUCKET_COLLECTIVES = frozenset({Kind.ALL_REDUCE, Kind.REDUCE_SCATTER, Kind.ALL_
 class TransientMemory:
     """Transient memory per rank: a buffer is allocated when its producer starts (a receive on
     a posted stream: when the posting policy posts it) and freed when its last local consumer
-    finishes. A sent message is held from its SEND until the sender notices it arrived: the
+    finishes. A forward's activations are the exception: autograd saves them op by op, so they
+    rise evenly over the forward's span and are all held at its end (what the runtime's meter
+    sees; a collective that ends inside the forward holds its buffers beside the part saved so
+    far, not beside all of it). A sent message is held from its SEND until the sender notices it arrived: the
     runtime lets go of completed sends as a compute task starts, so at the start of the
     sender's first compute task after the matching RECV finished (or at the step's end)."""
 
@@ -45,6 +48,7 @@ class TransientMemory:
         self.representative = representative
         world = plan.grid.world_size
         self.events: list[list[tuple[float, int]]] = [[] for _ in range(world)]
+        self.ramps: list[list[tuple[float, float, int]]] = [[] for _ in range(world)]  # (start, end, bytes)
         self.waiting: list[dict[str, tuple[int, set[str]]]] = [{} for _ in range(world)]
         self.released_by: list[dict[str, list[str]]] = [{} for _ in range(world)]
         self.held: dict[str, int] = {}  # per node: the same on every rank it runs on
@@ -99,6 +103,8 @@ class TransientMemory:
                 elif node.kind == Kind.ALL_GATHER:
                     self.gathers[r][key] = [start, finish, (node.region, node.bucket), held]
                     held = 0  # counted in peaks(), once per bucket while in use
+                elif node.kind == Kind.F and finish > start:  # saved op by op while it runs
+                    self.ramps[r].append((start, finish, held))
                 else:  # a backward hands over its gradient payload as it ends
                     events.append((finish if node.kind in _BACKWARDS else start, held))
                 if consumers:
@@ -219,19 +225,40 @@ class TransientMemory:
             for stream in self.plan.ranks[r].posted:
                 order = [(k, *receives[k]) for k in self.plan.ranks[r].streams[stream] if k in receives]
                 events += [(posted, receives[key][0]) for key, posted in post_times(order, budget=self.post_budget).items()]
-            # a collective that takes no time runs between the tasks that end at its time and
-            # those that start then: after that time's releases, before its allocations
-            marks = [(t, 0 if delta < 0 else 2, delta) for t, delta in events]
-            marks += [(t, 1, rise) for t, rise in self.instants[r]]
-            level = peak = 0
-            for _, order, delta in sorted(marks):
-                if order == 1:
-                    peak = max(peak, level + delta)
-                else:
-                    level += delta
-                    peak = max(peak, level)
-            out.append(peak)
+            out.append(_peak(events, self.instants[r], self.ramps[r]))
         return out
+
+
+def _peak(events: list[tuple[float, int]], instants: list[tuple[float, int]],
+          ramps: list[tuple[float, float, int]]) -> int:
+    """The highest level of ``events`` (time, change), ``instants`` (time, bytes held for no
+    time) and ``ramps`` (start, end, bytes rising evenly between them, held from the end on).
+    At one time, releases come first, then instants (a collective that takes no time runs
+    between the tasks that end at its time and those that start then), then allocations; a
+    ramp's level just before a time counts what that time releases as still held."""
+    marks = [(t, 0 if delta < 0 else 2, delta) for t, delta in events]
+    marks += [(t, 1, rise) for t, rise in instants]
+    marks += [(end, 2, nbytes) for _, end, nbytes in ramps]
+    rising = sorted(ramps)
+    level = peak = 0
+    active: list[tuple[float, float, int]] = []
+    head = 0
+    last = None
+    for t, order, delta in sorted(marks):
+        if t != last:  # ramps under way: the part saved by t, beside what is held until t
+            while head < len(rising) and rising[head][0] < t:
+                active.append(rising[head])
+                head += 1
+            active = [a for a in active if a[1] >= t]
+            partial = sum(n * (t - s) / (e - s) for s, e, n in active)
+            peak = max(peak, level + int(partial))
+            last = t
+        if order == 1:
+            peak = max(peak, level + delta)
+        else:
+            level += delta
+            peak = max(peak, level)
+    return peak
 
 
 def _while_any(spans: list[list[float]], nbytes: int) -> list[tuple[float, int]]:

@@ -38,21 +38,28 @@ class DeadlockError(RuntimeError):
 
 @dataclass
 class SimResult:
-    step_time: float
+    step_time: float  # the tasks' makespan plus the cost model's step_overhead
     busy: list[float]  # per rank: compute time (chunks and optimizer updates)
     timeline: list[tuple[int, str, str, float, float]]  # rank, stream, key, start, end
     static_bytes: list[dict[str, int]]
     peak_transient_bytes: list[int]
     per_rank_peak: list[int] = field(default_factory=list)
+    step_overhead: float = 0.0
+
+    @property
+    def makespan(self) -> float:
+        """From the first task's start to the last one's end."""
+        return self.step_time - self.step_overhead
 
     @property
     def idle(self) -> list[float]:
-        return [self.step_time - b for b in self.busy]
+        """Per rank: the makespan's time without compute."""
+        return [self.makespan - b for b in self.busy]
 
     @property
     def bubble_fraction(self) -> float:
-        """Mean over ranks of idle compute time / step time."""
-        return sum(self.idle) / (len(self.busy) * self.step_time) if self.step_time else 0.0
+        """Mean over ranks of idle compute time / the makespan."""
+        return sum(self.idle) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
     @property
     def peak_memory(self) -> list[int]:
@@ -282,6 +289,7 @@ def _simulate(plan: Plan, cost: CostModel | None, post_budget: int) -> SimResult
         timeline = [(m, *entry[1:]) for entry in timeline for m in members[entry[0]]]
         busy = [busy[rep[r]] for r in range(world)]
     static = static_memory(plan)
-    return SimResult(step_time=step, busy=busy, timeline=timeline, static_bytes=static,
+    return SimResult(step_time=step + cost.step_overhead, busy=busy, timeline=timeline, static_bytes=static,
                      peak_transient_bytes=peaks,
-                     per_rank_peak=[sum(s.values()) + p for s, p in zip(static, peaks)])
+                     per_rank_peak=[sum(s.values()) + p for s, p in zip(static, peaks)],
+                     step_overhead=cost.step_overhead)
