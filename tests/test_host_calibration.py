@@ -362,3 +362,24 @@ def test_torchtitan_tuned_command_replaces_the_users_zero_level():
     assert calibration.tunable_zero(["--config", "llama3_debugmodel_pp2_1f1b"], 2) == (0,)
     assert "--piper.zero" not in calibration.job_argv(["--config", "llama3_debugmodel_pp2_1f1b"], 2,
                                                       recipe="b.json", microbatches=4, chunks=1, zero=0)
+
+
+def test_a_steps_collectives_and_its_time_outside_tasks_are_read_from_its_timelines():
+    """A collective's time runs from its last member's start to its first member's end; the
+    step's overhead is its seconds less its tasks' span over every process (never below 0)."""
+    from piper_plugin.calibrate import collective_samples, step_outside_tasks
+    from piper_plugin.ir.nodes import Kind
+
+    with torch.device("meta"):
+        model, cfg = TOY_MODELS["toy-lm"](stages=1, layers=2)
+    tokens, targets = lm_batch(cfg, 8)
+    plan = compile_program(capture(model, lm_loss, (tokens,), targets), lambda p: recipes.load("1f1b").schedule(
+        p, pp=1, dp=2, ep=1, microbatches=2, zero=2, chunks=1)).plan
+    (scatter, *_) = sorted(k for k, n in plan.dag.nodes.items() if n.kind == Kind.REDUCE_SCATTER)
+    first = plan.ranks[0].streams["compute"][0]
+    timelines = [[("compute", first, 1.0, 1.5), ("dp", scatter, 2.0, 2.9)],
+                 [("compute", first, 1.1, 1.6), ("dp", scatter, 2.2, 2.6)]]
+    ((moved, seconds),) = collective_samples(plan, timelines)
+    assert seconds == pytest.approx(0.4) and moved == plan.dag.nodes[scatter].bytes / 2  # ring: (n - 1) / n
+    assert step_outside_tasks(2.5, timelines) == pytest.approx(0.6)
+    assert step_outside_tasks(1.0, timelines) == 0.0

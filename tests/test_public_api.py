@@ -121,6 +121,7 @@ LAYERS = {
     "piper_plugin.tune": 9,
     "piper_plugin.overlap_report": 9,
     "piper_plugin.step_trace": 9,
+    "piper_plugin.trace_samples": 9,
     "piper_plugin.measured_memory": 9,
     "piper_plugin.calibrate": 10,
     "piper_plugin.calibrate_host": 10,

@@ -261,7 +261,7 @@ def test_the_tuner_searches_order_overlays_and_writes_one_that_replays(tmp_path)
 
 
 def test_a_task_that_shared_a_core_is_charged_the_core_time_it_had():
-    from piper_plugin.calibrate import _core_seconds
+    from piper_plugin.trace_samples import _core_seconds
 
     spans = [(0.0, 3.0), (0.0, 3.0), (1.0, 2.0)]  # three ranks computing over [1, 2], two cores
     assert _core_seconds(0.0, 3.0, spans, cores=2) == pytest.approx(1.0 + 2 / 3 + 1.0)
