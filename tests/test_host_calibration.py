@@ -194,17 +194,22 @@ def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
     assert result.returncode == 2 and "pass it to the host's --piper.profile" in result.stderr
 
 
-def _check_jobs(profile: dict) -> None:
-    assert not profile["failed_jobs"], profile["failed_jobs"]
-    recipes_run = {job["job"].split()[0] for job in profile["jobs"]}
-    assert recipes_run == {"1f1b", "zb-h1", "interleaved-1f1b"} and {"F", "B", "BI", "BW"} <= set(profile["compute"])
-    assert any(job["job"].endswith("v=2") for job in profile["jobs"])  # stages of another size
+def _check_predictions(profile: dict) -> None:
+    """Every calibration job's predicted step and peaks per rank within the bounds of its measured ones."""
     for job in profile["jobs"]:
         ratio = job["predicted_step_s"] / job["measured_step_s"]
         assert BOUNDS[0] < ratio < BOUNDS[1], job
         for predicted, measured in zip(job["predicted_peak_transient_bytes"], job["measured_peak_transient_bytes"],
                                        strict=True):
             assert MEMORY_BOUNDS[0] < predicted / measured < MEMORY_BOUNDS[1], job
+
+
+def _check_jobs(profile: dict) -> None:
+    assert not profile["failed_jobs"], profile["failed_jobs"]
+    recipes_run = {job["job"].split()[0] for job in profile["jobs"]}
+    assert recipes_run == {"1f1b", "zb-h1", "interleaved-1f1b"} and {"F", "B", "BI", "BW"} <= set(profile["compute"])
+    assert any(job["job"].endswith("v=2") for job in profile["jobs"])  # stages of another size
+    _check_predictions(profile)
     assert profile["memory"].keys() == profile["programs"].keys()  # every stage count's regions measured
 
 
@@ -297,12 +302,7 @@ def test_megatron_profile_on_a_data_parallel_grid_predicts_each_jobs_peak(capsys
     profile = json.loads(path.read_text())
     assert profile["grid"] == {"pp": 1, "dp": 2, "ep": 1} and not profile["failed_jobs"], profile["failed_jobs"]
     assert {int(j["job"].split("m=")[1].split()[0]) for j in profile["jobs"]} == {1, 4, 8}
-    for job in profile["jobs"]:
-        ratio = job["predicted_step_s"] / job["measured_step_s"]
-        assert BOUNDS[0] < ratio < BOUNDS[1], job
-        for predicted, measured in zip(job["predicted_peak_transient_bytes"], job["measured_peak_transient_bytes"],
-                                       strict=True):
-            assert MEMORY_BOUNDS[0] < predicted / measured < MEMORY_BOUNDS[1], job
+    _check_predictions(profile)
 
 
 def _host_profile(tmp_path, host: str, host_args: list[str], programs: dict, grid: dict) -> str:
