@@ -110,22 +110,22 @@ def read_step_traces(folder: str | Path) -> TracedSteps:
     if len({r["step"] for r in ranks}) > 1:
         raise ValueError(f"{folder}: the processes stopped at steps {sorted({r['step'] for r in ranks})}")
     timelines: dict[int, list] = {}
-    peaks: dict[int, int] = {}
     windows: dict[int, list] = {}
     kept: dict[int, dict[str, int]] = {}
-    step_peaks: dict[int, list[int]] = {}
+    step_peaks: dict[int, list[int]] = {}  # per plan rank, per step: the highest of its processes
+    by_process: list[list] = []  # every process's latest timeline
     for r in ranks:
-        timelines.setdefault(r["plan_rank"], [tuple(e) for e in r["timeline"]])
+        by_process.append([tuple(e) for e in r["timeline"]])
+        timelines.setdefault(r["plan_rank"], by_process[-1])
         if r.get("peak_transient_bytes"):
-            peaks[r["plan_rank"]] = max(peaks.get(r["plan_rank"], 0), r["peak_transient_bytes"][-1])
-            seen = step_peaks.setdefault(r["plan_rank"], list(r["peak_transient_bytes"]))
+            seen = step_peaks.get(r["plan_rank"], r["peak_transient_bytes"])
             step_peaks[r["plan_rank"]] = [max(a, b) for a, b in zip(seen, r["peak_transient_bytes"])]
             windows.setdefault(r["plan_rank"], [tuple(w) for w in r["windows"]])
             kept.setdefault(r["plan_rank"], dict(r.get("kept_for_weights", {})))
+    peaks = {rank: p[-1] for rank, p in step_peaks.items()}
     steps = [max(r["step_seconds"][i] for r in ranks) for i in range(ranks[0]["step"])]
     program = None
     if (folder / "program.pkl").exists():
         with open(folder / "program.pkl", "rb") as f:
             program = pickle.load(f)
-    return TracedSteps(plan, timelines, steps, program, peaks, windows, kept,
-                       [[tuple(e) for e in r["timeline"]] for r in ranks], step_peaks)
+    return TracedSteps(plan, timelines, steps, program, peaks, windows, kept, by_process, step_peaks)

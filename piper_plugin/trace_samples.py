@@ -66,7 +66,7 @@ def collective_samples(plan, timelines) -> list[tuple[float, float]]:
         node = plan.node(key)
         if node.kind not in COLLECTIVES or not node.bytes or len(seen) < 2:
             continue
-        size = len(next(iter(plan.grid.groups(node.axis, node.devices))))
+        size = plan.grid.group_size(node.axis, node.devices)
         out.append((per_byte.comm(node, size), max(0.0, min(e for _, e in seen) - max(s for s, _ in seen))))
     return out
 

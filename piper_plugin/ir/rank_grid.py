@@ -67,5 +67,9 @@ class RankGrid:
             buckets.setdefault(tuple(c), []).append(r)
         return [tuple(g) for g in buckets.values()]
 
+    def group_size(self, axis: str, ranks: tuple[int, ...]) -> int:
+        """Members of each of ``axis``'s groups over ``ranks`` (the groups are of one size)."""
+        return len(self.groups(axis, ranks)[0])
+
     def to_json(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep}

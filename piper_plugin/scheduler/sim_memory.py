@@ -286,7 +286,7 @@ def _collective_bytes(plan: Plan, node) -> int:
     into the bucket (counted as the gathered bucket)."""
     dag = plan.dag
     bucket = dag.buckets[node.region][node.bucket]
-    n = len(next(iter(plan.grid.groups(node.axis, node.devices))))
+    n = plan.grid.group_size(node.axis, node.devices)
     full = bucket.numel * 4
     w = -(-full // n)
     even = rows_split_evenly([dag.meta.param_shapes.get(p, ()) for p in bucket.params], n)
@@ -323,7 +323,7 @@ def _held_bytes(plan: Plan, node, shards: int) -> int:
     if node.kind == Kind.F:
         return dag.regions[node.region].activation_bytes // shards // plan.dag.meta.sharded.get(node.region, 1)
     if node.kind == Kind.ALL_GATHER and node.phase in ("F", "B"):
-        return node.bytes * len(next(iter(plan.grid.groups(node.axis, node.devices))))
+        return node.bytes * plan.grid.group_size(node.axis, node.devices)
     if node.kind == Kind.RECV:
         return node.bytes
     if node.kind in (Kind.B, Kind.BW) and dag.meta.replicated.get(node.region, 0) >= 2:

@@ -82,7 +82,7 @@ def static_memory(plan: Plan) -> list[dict[str, int]]:
             zero = dag.meta.replicated.get(region, 0)
             buckets = dag.buckets.get(region) or []
             axis = "dp" if region in sharded else "data"
-            n = len(grid.groups(axis, node.devices)[0]) if buckets else 1
+            n = grid.group_size(axis, node.devices) if buckets else 1
             shard = -(-full // n)
             mem["params"] += shard if zero == 3 else full
             mem["grads"] += shard if zero >= 2 else full
