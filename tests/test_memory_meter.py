@@ -163,3 +163,43 @@ def test_a_first_gradient_is_kept_state_not_working_memory():
     # the last layer's weight gradient (512 x 64 floats) is no longer working memory
     assert rises[0] == rises[1] >= 2 * 64 * 512 * 4
     assert rises[0] < 3 * 64 * 512 * 4
+
+
+def test_a_replayed_window_reaches_what_others_added_inside_it():
+    """What other code adds while a backward window runs (a block's gradient, counted from its
+    accumulation until its reduce-scatter ends, inside the task) sits on top of the window's
+    working memory; a replayed step has no op-by-op count, yet reaches the same peak. The
+    window's own rise, which profiles read, leaves that addition out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 8))
+    meter = MemoryMeter()
+    meter.ignore(list(model.parameters()))
+    first = model[2].weight  # the first gradient of the backward: added, then released at its end
+    first.register_post_accumulate_grad_hook(lambda p: meter.add(p.grad.nbytes))
+    calls = _counting(meter)
+    seen = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        meter.begin_step(SHAPES)
+        before = calls[0]
+        x = torch.randn(32, 8)
+        with meter.window("F0", saves=True):
+            y = model(x).sum()
+        with meter.window("B0"):
+            y.backward()
+            del y
+            meter.add(-first.grad.nbytes)
+        seen.append((meter.peak, meter.windows()[("B0", 0)], calls[0] - before))
+    assert seen[2][2] == 0 and seen[3][2] == 0, "agreeing steps must be replayed"
+    assert len({peak for peak, *_ in seen}) == 1, seen
+    rise = seen[0][1][1]
+    alone = MemoryMeter()  # the same steps with nothing added inside the window
+    alone.ignore(list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    alone.begin_step(SHAPES)
+    with alone.window("F0", saves=True):
+        y = model(torch.randn(32, 8)).sum()
+    with alone.window("B0"):
+        y.backward()
+        del y
+    assert alone.windows()[("B0", 0)][1] == rise

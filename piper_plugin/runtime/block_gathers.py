@@ -22,8 +22,9 @@ Invariants: every member of the group issues the same collectives in the same or
 choice of what to gather or reduce depends on the block order and the task alone, never on
 local values); a block's parameters are materialized while any code of the task may read them;
 each microbatch's gradient of a block is reduced exactly once (its ``.grad`` is taken into the
-payload). A freed block keeps its storage object (resized to 0 and back), so what a compiled
-block's forward saved of its parameters for the backward reads the gathered values again.
+payload), and the meter counts it from its first accumulation until its reduce-scatter ends. A
+freed block keeps its storage object (resized to 0 and back), so what a compiled block's forward
+saved of its parameters for the backward reads the gathered values again.
 Forwards run again inside a backward (activation checkpointing) and forwards outside a task (an
 evaluation, which gathers every bucket first) neither gather nor free.
 """
@@ -60,10 +61,16 @@ class BlockGathers:
         self.mode: str | None = None  # the kind of this region's task now running (F, B, BI, BW)
         self._in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # gathers issued, not laid out yet
         self._held: set[int] = set()  # buckets this region's tasks materialized and still hold
-        self._reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor]] = []  # in flight
+        self._reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor, int]] = []  # in flight, bytes counted
         self._reduced: set[int] = set()  # blocks reduced by the running task
         self._pinned = 0  # input-gradient passes whose weight pass has not run: blocks stay gathered
+        self._grad_bytes = [0] * len(buckets)  # per block: its gradients the meter counts, not yet reduced
+        self._counted: set[int] = set()  # the parameters whose gradient is among them
         self._handles = []
+        for k, bucket in enumerate(buckets):
+            for p in bucket.params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._gradient(k)))
         for k, module in enumerate(modules):
             # outside any compiled graph (TorchTitan compiles each block as a full graph): dynamo runs
             # them eagerly around the block's compiled forward, as it does FSDP's
@@ -142,6 +149,15 @@ class BlockGathers:
         if k > 0:
             self._prefetch(k - 1)
 
+    def _gradient(self, k: int) -> Callable:
+        def hook(p):  # a parameter of block k accumulated a gradient (inside a backward of this region)
+            if self.mode is not None and id(p) not in self._counted and p.grad is not None:
+                self._counted.add(id(p))
+                nbytes = p.grad.untyped_storage().nbytes()
+                self._grad_bytes[k] += nbytes
+                self.meter.add(nbytes)
+        return hook
+
     # -- gathers ------------------------------------------------------------------------------
     def _prefetch(self, k: int) -> None:
         if not self.gathers or k in self._in_flight or k in self._held or self.buckets[k].materialized:
@@ -210,17 +226,20 @@ class BlockGathers:
                 sources = bucket.flat_grad(take=True)
                 out = sources.new_empty(sources.numel() // bucket.n)
                 works = self.ops.reduce_scatter(out, sources)
-            self._reductions.append((k, works, sources, out))
+            self._reductions.append((k, works, sources, out, self._grad_bytes[k]))
+        self._counted.difference_update(id(p) for p in self.buckets[k].params)
+        self._grad_bytes[k] = 0
         self._reduced.add(k)
         self._let_go(k)
 
     def _finish_reductions(self) -> None:
         reductions, self._reductions = self._reductions, []
-        for k, works, sources, out in reductions:
+        for k, works, sources, out, counted in reductions:
             for work in works:
                 self._wait(work)
             self.buckets[k].add_shard_grad(out)
             del sources
+            self.meter.add(-counted)
 
     def _check_reduced(self) -> None:
         """A block whose gradient grew after its reduce-scatter broke the blocks' contract."""

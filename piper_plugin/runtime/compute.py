@@ -147,6 +147,7 @@ def _hand_off_grads(state: RankState, node: Node) -> None:
     reduce-scatter on another stream never races the next microbatch's backward."""
     for succ, bucket in state.grad_handoffs(node.key):
         state.deliver_to(succ, "grads", state.buckets[(node.region, bucket)].flat_grad(take=True))
+        state.gradients_handed_over((node.region, bucket))
 
 
 def _split_pays(state: RankState, node: Node) -> bool:

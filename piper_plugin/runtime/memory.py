@@ -5,8 +5,9 @@ tensors themselves. Transient: activations autograd saves for backward (counted 
 saved-tensor hooks, released when autograd drops them), a backward's working memory (what its
 kernels allocate while it runs, op by op: :mod:`.working_memory`), values waiting in inboxes,
 messages in flight (receive buffers from their post, sent values until the send is let go),
-gradients an input-gradient pass keeps for its weight pass and gathered ZeRO-3 buckets. On a
-GPU the allocator's own peak is used instead.
+gradients an input-gradient pass keeps for its weight pass, gathered ZeRO-3 buckets and a
+block's gradient of one microbatch until its reduce-scatter ends (ZeRO by block). On a GPU the
+allocator's own peak is used instead.
 
 Saved activations change only inside *windows*: the stretch of a compute task where it saves
 them (a chunk's forward) or where autograd releases them and allocates its working memory (a
@@ -16,7 +17,11 @@ per saved tensor, about 7% of a transformer stage's forward on a CPU. So once tw
 steps with the same batch shapes changed the count by the same bytes in the same windows, and
 no change fell outside a window, later steps with those shapes replay each window's change at
 its end, with no hooks; steps with new shapes are measured anew. Replayed steps reach the same
-values at every window's end, and the same highs inside it, as the measured ones. This assumes a
+values at every window's end, and the same highs inside it, as the measured ones: a window also
+logs its highest level of everything counted above where it began (what other code adds while
+it runs, such as a block's gradients, included), which its replay reaches again. That level is
+for replays only: :meth:`MemoryMeter.windows` gives the saved bytes' change and rise alone, which
+do not depend on the ZeRO level. This assumes a
 chunk saves the same bytes whenever its batch shapes are the same: true of static-shape models
 (the toy MoE dispatches over a fixed capacity), not of data-dependent ones such as a dropless MoE
 whose two measured steps happened to agree.
@@ -49,7 +54,7 @@ class _Window:
     """One window of a task (see the module docstring): measured through hooks, or replayed.
     ``key`` is the task and the window's count within the step."""
 
-    __slots__ = ("meter", "key", "hooks", "working", "grad_hooks", "replay", "before")
+    __slots__ = ("meter", "key", "hooks", "working", "grad_hooks", "replay", "before", "start")
 
     def __init__(self, meter: "MemoryMeter", key: tuple[str, int], saves: bool):
         self.meter, self.key = meter, key
@@ -61,11 +66,14 @@ class _Window:
 
     def __enter__(self) -> None:
         meter = self.meter
-        self.before = meter._high = meter.saved
+        with meter._lock:
+            self.before = meter._high = meter.saved
+            self.start = meter._top = meter.current
         if self.hooks is not None:
             self.hooks.__enter__()
         if self.working is not None:
             # a parameter's first gradient of the step becomes its .grad: kept state from then on
+            # (ZeRO by block: a block's gradient until its reduce-scatter ends, which BlockGathers adds)
             forget = self.working.forget
             self.grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: forget(p.grad))
                                for p in meter._param_tensors if p.requires_grad]
@@ -80,9 +88,12 @@ class _Window:
             for handle in self.grad_hooks:
                 handle.remove()
         if self.replay is not None:
-            meter.replay_window(*self.replay)
+            meter.replay_window(*self.replay, top=self.start + meter._tops.get((meter._shapes, *self.key), 0))
             return
-        meter._log[self.key] = (meter.saved - self.before, meter._high - self.before)
+        with meter._lock:
+            meter._log[self.key] = (meter.saved - self.before, meter._high - self.before)
+            top = (meter._shapes, *self.key)
+            meter._tops[top] = max(meter._tops.get(top, 0), meter._top - self.start)
 
 
 class MemoryMeter:
@@ -91,6 +102,8 @@ class MemoryMeter:
         self.peak = 0
         self.saved = 0  # the part of ``current`` that is saved activations
         self._high = 0  # the highest ``saved`` since the open window began
+        self._top = 0  # the highest ``current`` (working memory included) since the open window began
+        self._tops: dict[tuple, int] = {}  # (batch shapes, task, count) -> the window's highest ``current`` above its start
         self._lock = threading.RLock()  # a saved value can be released by the GC inside a locked section
         self._params: set[int] = set()
         self._refs: dict[int, int] = {}
@@ -109,13 +122,16 @@ class MemoryMeter:
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.current += nbytes
-            self.peak = max(self.peak, self.current)
+            if self.current > self.peak:
+                self.peak = self.current
+            if self.current > self._top:
+                self._top = self.current
 
-    def replay_window(self, change: int, rise: int) -> None:
-        """A replayed window: saved bytes rise by ``rise``, then end ``change`` above the start."""
+    def replay_window(self, change: int, rise: int, top: int = 0) -> None:
+        """A replayed window: saved bytes rise by ``rise``, then end ``change`` above the start;
+        the whole count reached ``top`` inside it when it was measured."""
         with self._lock:
-            if self.current + rise > self.peak:
-                self.peak = self.current + rise
+            self.peak = max(self.peak, self.current + rise, top)
             self.saved += change
             self.current += change
 
@@ -169,6 +185,8 @@ class MemoryMeter:
                 self._high = self.saved + live
             if self.current + live > self.peak:
                 self.peak = self.current + live
+            if self.current + live > self._top:
+                self._top = self.current + live
 
     def _drop(self, ptr: int, nbytes: int) -> None:
         with self._lock:
@@ -193,6 +211,8 @@ class MemoryMeter:
                 self._high = max(self._high, self.saved)
                 if self.current > self.peak:
                     self.peak = self.current
+                if self.current > self._top:
+                    self._top = self.current
         return ptr, nbytes
 
     def saved_tensor_hooks(self):

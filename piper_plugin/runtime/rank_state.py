@@ -82,6 +82,8 @@ class RankState:
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
         self.meter.track_working = not self.cuda
+        self._handed: dict[tuple[str, int], list] = {}  # bucket -> [its gradient's bytes counted, parameter ids]
+        self._count_handed_gradients()
 
     # -- set-up ----------------------------------------------------------------------------
     def _shard_experts(self, named: dict[str, nn.Parameter]) -> None:
@@ -131,6 +133,38 @@ class RankState:
         for p in named.values():
             if id(p) not in local:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _count_handed_gradients(self) -> None:
+        """A bucket the plan reduce-scatters per microbatch (ZeRO-2/3 not by block) holds each
+        microbatch's gradient from its first accumulation until the backward hands it over
+        (:meth:`gradients_handed_over`): transient, so the meter counts it (as a block's gradients
+        are counted by :class:`~.block_gathers.BlockGathers`)."""
+        for node in self.dag.nodes.values():
+            key = (node.region, node.bucket)
+            if (node.kind != Kind.REDUCE_SCATTER or node.phase != "B" or self.rank not in node.devices
+                    or key in self._handed or key not in self.buckets):
+                continue
+            self._handed[key] = [0, set()]
+            for p in self.buckets[key].params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_of(key))
+
+    def _gradient_of(self, key: tuple[str, int]) -> Callable:
+        def hook(p):
+            counted = self._handed[key]
+            if id(p) not in counted[1] and p.grad is not None:
+                counted[1].add(id(p))
+                nbytes = p.grad.untyped_storage().nbytes()
+                counted[0] += nbytes
+                self.meter.add(nbytes)
+        return hook
+
+    def gradients_handed_over(self, key: tuple[str, int]) -> None:
+        """Bucket ``key``'s gradient went into its reduce-scatter's payload (counted from there)."""
+        counted = self._handed.get(key)
+        if counted is not None:
+            self.meter.add(-counted[0])
+            self._handed[key] = [0, set()]
 
     def microbatches(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """This rank's data shard of the global batch, on its device, cut into microbatches."""

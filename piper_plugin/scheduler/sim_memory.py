@@ -9,14 +9,18 @@ task also holds its region's working memory while it runs (``Region.backward``, 
 runs that task: whole, or split in input and weight passes), and an input-gradient pass leaves
 what it recorded for the weight pass until that one finishes. What a region's forwards share
 (``Region.shared_activation_bytes``) is held once per rank while any of its microbatches'
-activations are. Sent messages are held as :class:`TransientMemory` says.
+activations are. Sent messages are held as :class:`TransientMemory` says. A microbatch's gradient
+of the buckets the plan reduce-scatters per microbatch (ZeRO-2/3) rises over the backward that
+accumulates it and is let go as its payload is made, so for an instant both are held.
 
 ZeRO by block (buckets reduced, and at ZeRO-3 gathered, inside a chunk,
 :mod:`piper_plugin.runtime.block_gathers`): at ZeRO-3 a forward holds two blocks' parameters (the
 one running and the next, prefetched), a backward four (the block, the next one's prefetch, its
 gradient and the previous block's gradient being reduced), and an input-gradient pass gathers
 every block of its region and keeps them until its weight pass has run (one copy however many
-wait); at ZeRO-2 a backward holds two blocks' gradients; a weight pass two at either level.
+wait); at ZeRO-2 a backward holds two blocks' gradients. A weight pass (a BW, or a B that runs its
+input gradients first) reduces its blocks only as it ends, so at either level their gradients
+rise evenly over its span to every block's at its end.
 """
 from __future__ import annotations
 
@@ -67,6 +71,9 @@ class TransientMemory:
         self.blocks = {region: (max(sizes), sum(sizes)) for region, buckets in plan.dag.buckets.items()
                        if (sizes := [b.numel * 4 for b in buckets if b.block is not None])}
         self.pinned: dict[tuple[int, str, int], list] = {}
+        self.weight_passes: set[tuple[int, str, int]] = set()  # (rank, region, mb): a BI whose BW has work left
+        self.handed_grads = {region: _whole_bucket_bytes(plan, region) for region in plan.dag.regions}
+        self.accumulated: set[tuple[int, str, int]] = set()  # (rank, region, mb): gradients a BI left for its BW
         self.instants: list[list[tuple[float, int]]] = [[] for _ in range(world)]  # zero-length holds
         self.collective: dict[str, int] = {}  # per bucket collective: what it allocates while it runs
         # per rank, region -> forward -> [its start, when its activations are let go]
@@ -89,6 +96,8 @@ class TransientMemory:
             self._working(r, node, start, finish)
         if node.is_compute and node.region in self.blocks:
             self._block_memory(r, node, start, finish)
+        if node.kind in _BACKWARDS and self.handed_grads.get(node.region):
+            self._handed_gradients(r, node, start, finish)
         if node.kind == Kind.F and self.plan.dag.regions[node.region].shared_activation_bytes:
             self.shared[r].setdefault(node.region, {})[key] = [start, finish]
         if node.kind in self.holding:
@@ -177,28 +186,61 @@ class TransientMemory:
     def _block_memory(self, r: int, node, start: float, finish: float) -> None:
         largest, whole = self.blocks[node.region]
         slot = (r, node.region, node.microbatch)
+        ranks = self.plan.ranks[r]
+        zero2 = self.plan.dag.meta.replicated.get(node.region) == 2  # parameters whole: gradients only
         rise = 0
-        if self.plan.dag.meta.replicated.get(node.region) == 2:  # parameters whole: gradients only
-            if node.kind in (Kind.B, Kind.BW) or (node.kind == Kind.BI and node.key in self.plan.ranks[r].fused):
-                self.events[r] += [(start, 2 * largest), (finish, -2 * largest)]
-            return
-        if node.kind == Kind.F:
-            rise = 2 * largest
-        elif node.kind == Kind.B:  # split by the plan: BI's gathers stay for its BW, inside the task
-            rise = whole + 2 * largest if node.key in self.plan.ranks[r].split_first else 4 * largest
-        elif node.kind == Kind.BI:
-            if node.key in self.plan.ranks[r].fused:  # run whole, as a B
-                rise = 4 * largest
-            else:
-                span = self.pinned[slot] = [start, finish, (node.region, "blocks"), whole]
-                self.gathers[r][f"{node.key}:blocks"] = span
-        elif node.kind == Kind.BW:
+        if node.kind == Kind.BW:
+            if slot not in self.weight_passes:  # its BI ran the whole backward
+                return
+            self.weight_passes.discard(slot)
             span = self.pinned.pop(slot, None)
             if span is not None:
                 span[1] = finish
+            self._gradients(r, whole, start, finish)
+            return
+        if node.kind == Kind.B and node.key in ranks.split_first:  # BI, its sends, then BW in one task
+            self._gradients(r, whole, start, finish)
+            rise = 0 if zero2 else whole  # BI's gathers stay for its BW
+        elif node.kind == Kind.B or (node.kind == Kind.BI and node.key in ranks.fused):  # run whole
+            rise = 2 * largest if zero2 else 4 * largest
+        elif node.kind == Kind.BI:
+            self.weight_passes.add(slot)
+            if not zero2:
+                span = self.pinned[slot] = [start, finish, (node.region, "blocks"), whole]
+                self.gathers[r][f"{node.key}:blocks"] = span
+        elif not zero2:  # a forward
             rise = 2 * largest
         if rise:
             self.events[r] += [(start, rise), (finish, -rise)]
+
+    def _handed_gradients(self, r: int, node, start: float, finish: float) -> None:
+        """Whole buckets reduce-scattered per microbatch (ZeRO-2/3): the gradient rises over the
+        backward that accumulates it (a B, a BI run whole or a BW with work left) and is let go
+        once its payload is made (:func:`_held_bytes`) as the B or BW ends: both for an instant,
+        before the reduce-scatter allocates its buffers."""
+        grads = self.handed_grads[node.region]
+        slot = (r, node.region, node.microbatch)
+        whole_bi = node.kind == Kind.BI and node.key in self.plan.ranks[r].fused
+        if node.kind == Kind.BW and slot in self.accumulated:  # its BI ran the whole backward
+            self.accumulated.discard(slot)
+        elif node.kind != Kind.BI or whole_bi:
+            if finish > start:
+                self.ramps[r].append((start, finish, grads))
+            else:
+                self.events[r].append((start, grads))
+        if whole_bi:
+            self.accumulated.add(slot)
+        elif node.kind != Kind.BI:
+            self.events[r].append((finish, -grads))
+            self.instants[r].append((finish, 2 * grads))
+
+    def _gradients(self, r: int, nbytes: int, start: float, finish: float) -> None:
+        """A weight pass's gradients of every block: they rise over its span and are reduced as it ends."""
+        if finish > start:
+            self.ramps[r].append((start, finish, nbytes))
+            self.events[r].append((finish, -nbytes))
+        else:
+            self.instants[r].append((start, nbytes))
 
     def _let_go(self, r: int, start: float) -> None:
         """Sends that arrived before a compute task starting at ``start`` on rank ``r`` free
@@ -318,6 +360,14 @@ def _bucket_spans(gathers) -> list[tuple[float, int]]:
     return events
 
 
+def _whole_bucket_bytes(plan: Plan, region: str) -> int:
+    """A microbatch's gradient of ``region``'s buckets the plan reduce-scatters per microbatch
+    (ZeRO-2/3 not by block; blocks reduce inside the chunk)."""
+    if plan.dag.meta.replicated.get(region, 0) < 2:
+        return 0
+    return sum(b.numel * 4 for b in plan.dag.buckets.get(region, ()) if b.block is None)
+
+
 def _held_bytes(plan: Plan, node, shards: int) -> int:
     dag = plan.dag
     if node.kind == Kind.F:
@@ -327,8 +377,7 @@ def _held_bytes(plan: Plan, node, shards: int) -> int:
     if node.kind == Kind.RECV:
         return node.bytes
     if node.kind in (Kind.B, Kind.BW) and dag.meta.replicated.get(node.region, 0) >= 2:
-        # handed to the plan's per-microbatch reduce-scatters (blocks reduce inside the chunk)
-        return sum(b.numel * 4 for b in dag.buckets.get(node.region, ()) if b.block is None)
+        return _whole_bucket_bytes(plan, node.region)  # the payload handed to the reduce-scatters
     return 0
 
 
