@@ -34,6 +34,7 @@ import os
 import pickle
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,13 +102,17 @@ def run_host_job(program: str, argv: Sequence[str], nproc: int, cwd: Path,
         return 124, (out.decode() if isinstance(out, bytes) else out) + f"\ntimed out after {timeout_s:.0f} s"
 
 
-def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8, workdir: str | Path | None = None,
-                   say: Callable[[str], None] = print) -> dict[str, Any]:
+def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8, rounds: int = 1,
+                   workdir: str | Path | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run ``host``'s calibration jobs for the command ``argv`` on ``nproc`` ranks (``steps``
-    each, the first :data:`~piper_plugin.calibrate.WARMUP_STEPS` left out), time messages between
-    two forked ranks, fit; the profile. A job that fails runs once more; failing again it is
-    left out, its output kept in the profile's ``failed_jobs``; none succeeding raises
-    :class:`HostJobsFailed` with the first failure's output."""
+    each, the first :data:`~piper_plugin.calibrate.WARMUP_STEPS` left out), ``rounds`` times
+    over, time messages between two forked ranks, fit; the profile. A job's measured step and
+    peaks are the medians over the rounds of each round's median (rounds alternate the jobs, so
+    a slow stretch of a shared machine lands on one round of each, not on every step of one);
+    its tasks and collectives are fitted from every round, its memory from the first. A job that
+    fails runs once more; failing again it is left out of this and later rounds, its output kept
+    in the profile's ``failed_jobs``; none succeeding raises :class:`HostJobsFailed` with the
+    first failure's output."""
     from piper_plugin.calibrate import (WARMUP_STEPS, collective_samples, fit_profile, measure_messages,
                                         step_outside_tasks, task_samples)
     from piper_plugin.measured_memory import memory_samples, stage_count
@@ -117,53 +122,58 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
         raise UsageError(f"--steps {steps}: a calibration job needs more than its {WARMUP_STEPS} warm-up steps")
     if nproc < 2:
         raise UsageError(f"--ranks {nproc}: calibrating messages needs 2 ranks or more")
+    if rounds < 1:
+        raise UsageError(f"--rounds {rounds}: run the calibration jobs once at least")
     module = host_module(host)
     jobs = plan_jobs(*module.calibration_layouts(list(argv), nproc))
     cpus = os.cpu_count() or nproc
     shared = cpus if nproc > cpus else None
     samples: list = []
-    outside: list[float] = []  # per job: its last step's time outside its tasks
+    outside: list[float] = []  # per job and round: its last step's time outside its tasks
     collectives: list[tuple[float, float]] = []  # (bytes, seconds) of the collectives the jobs ran
-    steps_measured: list[tuple[str, Any, float]] = []
+    measured: dict[str, tuple[Any, list[float], list[dict[int, int]]]] = {}  # job -> (plan, steps, peaks) per round
     programs: dict[int, Any] = {}  # stage count -> the host's program (for piper tune)
     memory: dict[int, list] = {}  # stage count -> (region, part, scale, bytes) the jobs' meters measured
-    peaks: list[dict[int, int]] = []  # per job: plan rank -> its median peak transient bytes after the warm-up
     failures: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
-        for recipe, m, chunks in jobs:
-            name = f"{recipe} m={m}" + (f" v={chunks}" if chunks > 1 else "")
-            trace = Path(tmp) / f"{recipe}_m{m}_v{chunks}"
-            job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, chunks=chunks, steps=steps,
-                                  trace=str(trace))
-            started = time.monotonic()
-            code, log = run_host_job(module.program, job, nproc, Path(tmp))
-            if code != 0:  # once more: a launcher's rendezvous can fail for reasons of its own
-                say(f"calibrate  {name}: failed (exit status {code}), run once more")
-                shutil.rmtree(trace, ignore_errors=True)
-                first = _tail(log)
-                code, log = run_host_job(module.program, job, nproc, Path(tmp))
-                if code != 0:
-                    failures.append((name, f"exit status {code}: {shlex.join(job)}\n{first}\n---\n{_tail(log)}"))
-                    say(f"calibrate  {name}: failed again (exit status {code}), left out")
+        for round_ in range(rounds):
+            for recipe, m, chunks in jobs:
+                name = f"{recipe} m={m}" + (f" v={chunks}" if chunks > 1 else "")
+                if name in dict(failures):
                     continue
-            traced = read_step_traces(trace)
-            plan = traced.plan
-            if traced.program is not None:
-                programs.setdefault(stage_count(traced.program.regions), traced.program)
-            steps_measured.append((name, plan, traced.median_step(WARMUP_STEPS)))
-            memory.setdefault(stage_count(plan.dag.regions), []).extend(
-                memory_samples(plan, traced.windows, traced.kept_for_weights))
-            peaks.append(traced.median_peaks(WARMUP_STEPS))
-            samples += task_samples(plan, traced.timelines, shared)
-            outside.append(step_outside_tasks(traced.step_seconds[-1], traced.last_timelines))
-            collectives += collective_samples(plan, traced.last_timelines)
-            say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
-                f"{steps_measured[-1][2] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s")
-    if not steps_measured:
+                trace = Path(tmp) / f"{recipe}_m{m}_v{chunks}_r{round_}"
+                job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, chunks=chunks, steps=steps,
+                                      trace=str(trace))
+                started = time.monotonic()
+                failed = _run_twice(module.program, job, nproc, Path(tmp), trace, name, say)
+                if failed is not None:
+                    failures.append((name, failed))
+                    measured.pop(name, None)
+                    continue
+                traced = read_step_traces(trace)
+                plan = traced.plan
+                if traced.program is not None:
+                    programs.setdefault(stage_count(traced.program.regions), traced.program)
+                _, job_steps, job_peaks = measured.setdefault(name, (plan, [], []))
+                job_steps.append(traced.median_step(WARMUP_STEPS))
+                job_peaks.append(traced.median_peaks(WARMUP_STEPS))
+                if round_ == 0:
+                    memory.setdefault(stage_count(plan.dag.regions), []).extend(
+                        memory_samples(plan, traced.windows, traced.kept_for_weights))
+                samples += task_samples(plan, traced.timelines, shared)
+                outside.append(step_outside_tasks(traced.step_seconds[-1], traced.last_timelines))
+                collectives += collective_samples(plan, traced.last_timelines)
+                say(f"calibrate  {name}: {len(plan.dag.regions)} regions on {plan.grid.world_size} plan ranks, step "
+                    f"{job_steps[-1] * 1e3:.1f} ms, {time.monotonic() - started:.1f} s"
+                    + (f" (round {round_ + 1}/{rounds})" if rounds > 1 else ""))
+    if not measured:
         if failures:
             raise HostJobsFailed(f"no calibration job of --host {host} ran (each failed twice); the first, "
                                  f"{failures[0][0]}, ended so:", failures[0][1])
         raise HostJobsFailed(f"--host {host} proposed no calibration job for these arguments", "")
+    steps_measured = [(name, plan, statistics.median(job_steps)) for name, (plan, job_steps, _) in measured.items()]
+    peaks = [{r: int(statistics.median(p[r] for p in job_peaks)) for r in job_peaks[0]}
+             for _, _, job_peaks in measured.values()]
     messages = measure_messages(nproc)
     profile = fit_profile(samples, steps_measured, messages, cores=shared, outside_tasks=outside,
                           collectives=collectives, say=say)
@@ -171,9 +181,26 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     _check_memory(profile, steps_measured, peaks, say)
     grid = steps_measured[0][1].grid
     return {"model": f"{host}: {shlex.join(argv)}", "host": host, "host_args": list(argv), "ranks": nproc,
-            "grid": {"pp": grid.pp, "dp": grid.dp, "ep": grid.ep}, **profile,
+            "grid": {"pp": grid.pp, "dp": grid.dp, "ep": grid.ep}, "rounds": rounds, **profile,
             "failed_jobs": [{"job": name, "output": out} for name, out in failures],
             "programs": pack_programs(programs)}
+
+
+def _run_twice(program: str, job: list[str], nproc: int, cwd: Path, trace: Path, name: str,
+               say: Callable[[str], None]) -> str | None:
+    """Run one calibration job, once more if it fails (a launcher's rendezvous can fail for
+    reasons of its own); None when a run succeeded, else both runs' output."""
+    code, log = run_host_job(program, job, nproc, cwd)
+    if code == 0:
+        return None
+    say(f"calibrate  {name}: failed (exit status {code}), run once more")
+    shutil.rmtree(trace, ignore_errors=True)
+    first = _tail(log)
+    code, log = run_host_job(program, job, nproc, cwd)
+    if code == 0:
+        return None
+    say(f"calibrate  {name}: failed again (exit status {code}), left out")
+    return f"exit status {code}: {shlex.join(job)}\n{first}\n---\n{_tail(log)}"
 
 
 def _fit_memory(samples: dict[int, list]) -> dict[str, Any]:

@@ -79,6 +79,10 @@ def add_calibrate_parser(commands) -> argparse.ArgumentParser:
     cal.add_argument("--seq", type=positive_int, default=32, metavar="T", help="sequence length (default: 32)")
     cal.add_argument("--steps", type=positive_int, default=8, metavar="N",
                      help="steps per calibration job, the first 2 left out of its median (default: 8)")
+    cal.add_argument("--rounds", type=positive_int, default=1, metavar="R",
+                     help="with --host: run the calibration jobs R times over, alternating them, each job's "
+                          "step the median of its rounds' (a shared machine's slow stretches land on one round "
+                          "of a job, not on all its steps; default: 1)")
     cal.add_argument("--link", metavar="RATE",
                      help="measure over an emulated link of this rate (tc's form: 100mbit, 1gbit): the jobs and "
                           "message timings run in a private network namespace whose loopback is rate-limited "
@@ -143,6 +147,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         host_args = host_args[1:]
     if args.host is not None or host_args:
         return _run_host_calibration(args, host_args)
+    if args.rounds != 1:
+        raise UsageError(f"--rounds {args.rounds}: rounds are for --host calibrations; a toy model's jobs run once "
+                         f"(raise --steps for a longer median)")
     if args.link is not None:
         code = inside_link_or_rerun(args.link, [
             "calibrate", "--model", args.model, "--ranks", str(args.ranks), "--layers", str(args.layers), "--batch",
@@ -177,12 +184,12 @@ def _run_host_calibration(args: argparse.Namespace, host_args: list[str]) -> int
                          f"llama3_debugmodel_pp2_1f1b")
     if args.link is not None:
         code = inside_link_or_rerun(args.link, [
-            "calibrate", "--host", args.host, "--ranks", str(args.ranks), "--steps", str(args.steps), "--link",
-            args.link, "--out", str(args.out.resolve()), "--", *host_args])
+            "calibrate", "--host", args.host, "--ranks", str(args.ranks), "--steps", str(args.steps), "--rounds",
+            str(args.rounds), "--link", args.link, "--out", str(args.out.resolve()), "--", *host_args])
         if code is not None:
             return code
     try:
-        profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps)
+        profile = calibrate_host(args.host, host_args, nproc=args.ranks, steps=args.steps, rounds=args.rounds)
     except HostJobsFailed as exc:
         print(f"piper: error: {exc}", file=sys.stderr)
         print(exc.details, file=sys.stderr)

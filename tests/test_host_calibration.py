@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 
 import pytest
@@ -187,6 +188,48 @@ def test_jobs_that_all_fail_end_in_one_line_and_the_first_output(capsys, tmp_pat
     assert not (tmp_path / "p.json").exists()
 
 
+def test_rounds_take_each_jobs_median_over_them_and_skip_a_failed_job(capsys, tmp_path, monkeypatch):
+    """``--rounds 3``: the jobs alternate round by round; a job's step is the median of its rounds'
+    medians (a slow stretch over a whole round of one job is outvoted), and a job that failed
+    twice in the first round is not run again."""
+    import piper_plugin.calibrate as calibrate
+
+    plan, runs, fitted = _toy_plan(), [], []
+
+    def job(program, argv, nproc, cwd):
+        trace = argv[argv.index("--piper-trace") + 1]
+        runs.append(trace.rsplit("/", 1)[1])
+        if "zb-h1" in trace:
+            return 3, "boom"
+        slow = 0.5 if trace.endswith("_r0") else 0.1  # the first round ran through a slow stretch
+        for rank in (0, 1):
+            writer = StepTrace(trace, plan, plan_rank=rank, process_rank=rank)
+            for seconds in (0.9, 0.9, slow, slow, slow):
+                writer.record([], seconds)
+        return 0, ""
+
+    def fit(samples, steps_measured, messages, **_):
+        fitted.extend(steps_measured)
+        return {"jobs": [{"job": n, "measured_step_s": s, "predicted_step_s": s} for n, _, s in steps_measured]}
+
+    monkeypatch.setattr(calibrate_host, "run_host_job", job)
+    monkeypatch.setattr(calibrate, "measure_messages", lambda nproc: {"p2p": []})
+    monkeypatch.setattr(calibrate, "fit_profile", fit)
+    result = _piper(capsys, "calibrate", "--host", "megatron", "--rounds", "3", "--steps", "5", "--out",
+                    str(tmp_path / "p.json"), "--", *MEGATRON)
+    assert result.returncode == 0, result.stderr
+    assert [(name, step) for name, _, step in fitted] == [(name, 0.1) for name in
+                                                          ("1f1b m=1", "1f1b m=4", "1f1b m=8",
+                                                           "interleaved-1f1b m=4 v=2", "interleaved-1f1b m=8 v=2")]
+    per_round = [r for r in runs if not r.startswith("zb-h1")]
+    assert [r.rsplit("_r", 1)[1] for r in per_round] == [str(k) for k in range(3) for _ in range(5)]  # alternating
+    assert sorted(r for r in runs if r.startswith("zb-h1")) == ["zb-h1_m4_v1_r0"] * 2 + ["zb-h1_m8_v1_r0"] * 2
+    profile = json.loads((tmp_path / "p.json").read_text())
+    assert profile["rounds"] == 3 and [j["job"] for j in profile["failed_jobs"]] == ["zb-h1 m=4", "zb-h1 m=8"]
+    toy = _piper(capsys, "calibrate", "--rounds", "2", "--out", str(tmp_path / "t.json"))
+    assert toy.returncode == 2 and "--rounds 2: rounds are for --host calibrations" in toy.stderr
+
+
 def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
     path = tmp_path / "host.json"
     path.write_text(json.dumps({"host": "torchtitan", "model": "torchtitan: --config x"}))
@@ -194,11 +237,15 @@ def test_a_host_profile_is_refused_by_the_toy_commands(capsys, tmp_path):
     assert result.returncode == 2 and "pass it to the host's --piper.profile" in result.stderr
 
 
-def _check_predictions(profile: dict) -> None:
-    """Every calibration job's predicted step and peaks per rank within the bounds of its measured ones."""
-    for job in profile["jobs"]:
-        ratio = job["predicted_step_s"] / job["measured_step_s"]
-        assert BOUNDS[0] < ratio < BOUNDS[1], job
+def _check_predictions(profile: dict, step_bounds: tuple[float, float] = BOUNDS) -> None:
+    """Every calibration job's predicted step within ``step_bounds`` of its measured one, the
+    median of those ratios within :data:`BOUNDS`, and its peaks per rank within
+    :data:`MEMORY_BOUNDS` of the measured ones."""
+    every = [(j["job"], round(j["predicted_step_s"] / j["measured_step_s"], 3), j["measured_step_s"])
+             for j in profile["jobs"]]  # shown with any failure: one job's miss against the others'
+    assert BOUNDS[0] < statistics.median(ratio for _, ratio, _ in every) < BOUNDS[1], every
+    for job, (_, ratio, _) in zip(profile["jobs"], every):
+        assert step_bounds[0] < ratio < step_bounds[1], (job, every)
         for predicted, measured in zip(job["predicted_peak_transient_bytes"], job["measured_peak_transient_bytes"],
                                        strict=True):
             assert MEMORY_BOUNDS[0] < predicted / measured < MEMORY_BOUNDS[1], job
@@ -294,15 +341,19 @@ def test_megatron_profile_on_a_data_parallel_grid_predicts_each_jobs_peak(capsys
     microbatch's gradient reduce-scatter runs while the next forward saves its activations, and
     every job's predicted peak per rank is within 10% of its meter's (the forward's activations
     rise over its span: counted whole from its start, the 4- and 8-microbatch jobs came out ~45%
-    and ~75% high), its step within the step bounds."""
-    path = tmp_path / "dp.json"
-    result = _piper(capsys, "calibrate", "--host", "megatron", "--steps", "5", "--out", str(path), "--",
+    and ~75% high); the jobs' median step ratio within the step bounds."""
+    path = tmp_path / "dp.json"  # 10 steps measured: this model's steps (35-190 ms) have slow stretches of
+    # half a second (55-67 ms against 35 ms for 1 microbatch); 3 steps' median caught one in CI
+    result = _piper(capsys, "calibrate", "--host", "megatron", "--steps", "12", "--out", str(path), "--",
                     *MEGATRON_DP)
     assert result.returncode == 0, result.stderr
     profile = json.loads(path.read_text())
     assert profile["grid"] == {"pp": 1, "dp": 2, "ep": 1} and not profile["failed_jobs"], profile["failed_jobs"]
     assert {int(j["job"].split("m=")[1].split()[0]) for j in profile["jobs"]} == {1, 4, 8}
-    _check_predictions(profile)
+    # identical work, 1F1B and ZB-H1 at one stage and 4 or 8 microbatches, measured up to 1.47x apart
+    # within one calibration (118 against 80 ms; 188 against 145): each job's step is held to that
+    # band, the median over the jobs to the step bounds
+    _check_predictions(profile, step_bounds=(0.6, 1.6))
 
 
 def _host_profile(tmp_path, host: str, host_args: list[str], programs: dict, grid: dict) -> str:
