@@ -133,8 +133,13 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     assert set(data["compute"]) == {"F", "B", "BI", "BW", "UPDATE"} and data["tasks_measured"] > 50
     assert data["latency_s"] > 0 < data["collective_latency_s"] and all(c >= 0 for cs in data["compute"].values() for c in cs)
     assert len(data["jobs"]) >= 8 and 0 <= data["comm_cpu_share"] <= 1
-    for job in data["jobs"]:  # ~10% here; a lost term or unit would not fit
-        assert 0.7 < job["predicted_step_s"] / job["measured_step_s"] < 1.4, job
+    # ~10% here on a quiet machine; a lost term or unit moves the median of the jobs. One job's 6
+    # measured steps (~0.25 s) can sit in a slow stretch whole: in a fresh-clone suite the 1-microbatch
+    # data-parallel job measured 51 ms against 34-37 ms alone (predicted 35 ms), and with an idle local
+    # Ray beside it 50 ms; each job is held to twice its prediction either way
+    ratios = [(job["job"], round(job["predicted_step_s"] / job["measured_step_s"], 3)) for job in data["jobs"]]
+    assert 0.8 < statistics.median(r for _, r in ratios) < 1.25, ratios
+    assert all(0.5 < r < 2.0 for _, r in ratios), ratios
     tune = _piper(capsys, "tune", "--ranks", "2", "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
     assert f"{LAYERS} layers, batch {BATCH}, seq {SEQ}, 2 ranks" in tune.stdout
