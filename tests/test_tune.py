@@ -137,9 +137,9 @@ def test_calibrate_then_tune_writes_a_recipe_file_that_trains(tmp_path, capsys):
     # measured steps (~0.25 s) can sit in a slow stretch whole: in a fresh-clone suite the 1-microbatch
     # data-parallel job measured 51 ms against 34-37 ms alone (predicted 35 ms), and with an idle local
     # Ray beside it 50 ms; each job is held to twice its prediction either way
-    ratios = [(job["job"], round(job["predicted_step_s"] / job["measured_step_s"], 3)) for job in data["jobs"]]
-    assert 0.75 < statistics.median(r for _, r in ratios) < 1.33, ratios
-    assert all(0.5 < r < 2.0 for _, r in ratios), ratios
+    per_job = [(job["job"], round(job["predicted_step_s"] / job["measured_step_s"], 3)) for job in data["jobs"]]
+    assert 0.75 < statistics.median(r for _, r in per_job) < 1.33, per_job
+    assert all(0.5 < r < 2.0 for _, r in per_job), per_job
     tune = _piper(capsys, "tune", "--ranks", "2", "--profile", str(profile), "--out", str(best))
     assert tune.returncode == 0, tune.stderr[-3000:]
     assert f"{LAYERS} layers, batch {BATCH}, seq {SEQ}, 2 ranks" in tune.stdout
