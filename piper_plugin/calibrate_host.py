@@ -134,12 +134,12 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     measured: dict[str, tuple[Any, list[float], list[dict[int, int]]]] = {}  # job -> (plan, steps, peaks) per round
     programs: dict[int, Any] = {}  # stage count -> the host's program (for piper tune)
     memory: dict[int, list] = {}  # stage count -> (region, part, scale, bytes) the jobs' meters measured
-    failures: list[tuple[str, str]] = []
+    failures: dict[str, str] = {}  # job -> both runs' output, once it failed twice
     with tempfile.TemporaryDirectory(prefix="piper_calibrate_", dir=workdir) as tmp:
         for round_ in range(rounds):
             for recipe, m, chunks in jobs:
                 name = f"{recipe} m={m}" + (f" v={chunks}" if chunks > 1 else "")
-                if name in dict(failures):
+                if name in failures:
                     continue
                 trace = Path(tmp) / f"{recipe}_m{m}_v{chunks}_r{round_}"
                 job = module.job_argv(list(argv), nproc, recipe=recipe, microbatches=m, chunks=chunks, steps=steps,
@@ -147,7 +147,7 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                 started = time.monotonic()
                 failed = _run_twice(module.program, job, nproc, Path(tmp), trace, name, say)
                 if failed is not None:
-                    failures.append((name, failed))
+                    failures[name] = failed
                     measured.pop(name, None)
                     continue
                 traced = read_step_traces(trace)
@@ -168,8 +168,9 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
                     + (f" (round {round_ + 1}/{rounds})" if rounds > 1 else ""))
     if not measured:
         if failures:
+            first, output = next(iter(failures.items()))
             raise HostJobsFailed(f"no calibration job of --host {host} ran (each failed twice); the first, "
-                                 f"{failures[0][0]}, ended so:", failures[0][1])
+                                 f"{first}, ended so:", output)
         raise HostJobsFailed(f"--host {host} proposed no calibration job for these arguments", "")
     steps_measured = [(name, plan, statistics.median(job_steps)) for name, (plan, job_steps, _) in measured.items()]
     peaks = [{r: int(statistics.median(p[r] for p in job_peaks)) for r in job_peaks[0]}
@@ -182,7 +183,7 @@ def calibrate_host(host: str, argv: Sequence[str], *, nproc: int, steps: int = 8
     grid = steps_measured[0][1].grid
     return {"model": f"{host}: {shlex.join(argv)}", "host": host, "host_args": list(argv), "ranks": nproc,
             "grid": {"pp": grid.pp, "dp": grid.dp, "ep": grid.ep}, "rounds": rounds, **profile,
-            "failed_jobs": [{"job": name, "output": out} for name, out in failures],
+            "failed_jobs": [{"job": name, "output": out} for name, out in failures.items()],
             "programs": pack_programs(programs)}
 
 

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 from piper_plugin.runtime.buckets import FlatBucket
 from piper_plugin.runtime.group_collectives import GroupCollectives
+from piper_plugin.runtime.memory import GradientCount
 
 __all__ = ["BlockGathers"]
 
@@ -64,13 +65,9 @@ class BlockGathers:
         self._reductions: list[tuple[int, Any, torch.Tensor, torch.Tensor, int]] = []  # in flight, bytes counted
         self._reduced: set[int] = set()  # blocks reduced by the running task
         self._pinned = 0  # input-gradient passes whose weight pass has not run: blocks stay gathered
-        self._grad_bytes = [0] * len(buckets)  # per block: its gradients the meter counts, not yet reduced
-        self._counted: set[int] = set()  # the parameters whose gradient is among them
-        self._handles = []
-        for k, bucket in enumerate(buckets):
-            for p in bucket.params:
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._gradient(k)))
+        self._grads = GradientCount(meter)  # per block: its gradients inside this region's tasks, not yet reduced
+        self._handles = [h for k, bucket in enumerate(buckets)
+                         for h in self._grads.watch(k, bucket.params, lambda: self.mode is not None)]
         for k, module in enumerate(modules):
             # outside any compiled graph (TorchTitan compiles each block as a full graph): dynamo runs
             # them eagerly around the block's compiled forward, as it does FSDP's
@@ -149,15 +146,6 @@ class BlockGathers:
         if k > 0:
             self._prefetch(k - 1)
 
-    def _gradient(self, k: int) -> Callable:
-        def hook(p):  # a parameter of block k accumulated a gradient (inside a backward of this region)
-            if self.mode is not None and id(p) not in self._counted and p.grad is not None:
-                self._counted.add(id(p))
-                nbytes = p.grad.untyped_storage().nbytes()
-                self._grad_bytes[k] += nbytes
-                self.meter.add(nbytes)
-        return hook
-
     # -- gathers ------------------------------------------------------------------------------
     def _prefetch(self, k: int) -> None:
         if not self.gathers or k in self._in_flight or k in self._held or self.buckets[k].materialized:
@@ -226,9 +214,7 @@ class BlockGathers:
                 sources = bucket.flat_grad(take=True)
                 out = sources.new_empty(sources.numel() // bucket.n)
                 works = self.ops.reduce_scatter(out, sources)
-            self._reductions.append((k, works, sources, out, self._grad_bytes[k]))
-        self._counted.difference_update(id(p) for p in self.buckets[k].params)
-        self._grad_bytes[k] = 0
+            self._reductions.append((k, works, sources, out, self._grads.take(k)))
         self._reduced.add(k)
         self._let_go(k)
 

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any, Callable, Iterable
 
 import torch
 
 from piper_plugin.autograd.working_memory import WorkingMemory
 
-__all__ = ["MemoryMeter"]
+__all__ = ["MemoryMeter", "GradientCount"]
 
 
 class _Held:
@@ -227,6 +228,35 @@ class MemoryMeter:
         # Hold a detached alias: a saved *output* holding its own grad_fn would make a cycle through
         # autograd's C++ graph that no collector sees (it leaked whenever a graph was retained).
         return _Held(t.detach(), self, ptr, nbytes)
+
+
+class GradientCount:
+    """Gradients the meter counts from their first accumulation, per key (a block, a bucket):
+    each parameter's once until :meth:`take` hands the key's bytes to the caller, which takes
+    them off the meter when that memory goes (the payload made, the reduce-scatter ended)."""
+
+    def __init__(self, meter: MemoryMeter):
+        self.meter = meter
+        self._bytes: dict[Any, int] = {}
+        self._params: dict[Any, set[int]] = {}
+
+    def watch(self, key: Any, params: Iterable[torch.nn.Parameter],
+              when: Callable[[], bool] = lambda: True) -> list:
+        """Count ``params``' gradients under ``key`` while ``when()`` holds; the hooks' handles."""
+        counted = self._params.setdefault(key, set())
+
+        def hook(p):
+            if when() and id(p) not in counted and p.grad is not None:
+                counted.add(id(p))
+                nbytes = p.grad.untyped_storage().nbytes()
+                self._bytes[key] = self._bytes.get(key, 0) + nbytes
+                self.meter.add(nbytes)
+        return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+
+    def take(self, key: Any) -> int:
+        """The bytes counted under ``key`` since the last take (still on the meter)."""
+        self._params.get(key, set()).clear()
+        return self._bytes.pop(key, 0)
 
 
 def _unpack(obj):

@@ -19,7 +19,7 @@ import torch.nn as nn
 from piper_plugin.ir.capture import Program
 from piper_plugin.ir.nodes import Kind
 from piper_plugin.runtime.buckets import FlatBucket
-from piper_plugin.runtime.memory import MemoryMeter
+from piper_plugin.runtime.memory import GradientCount, MemoryMeter
 from piper_plugin.runtime.optimizers import ParamList, rebind
 from piper_plugin.runtime.pieces import Piece
 from piper_plugin.autograd.split_backward import PendingWeightGrads
@@ -82,7 +82,7 @@ class RankState:
         self.meter = MemoryMeter()
         self.meter.ignore([p for c in self.chunks.values() for p in c.parameters()])
         self.meter.track_working = not self.cuda
-        self._handed: dict[tuple[str, int], list] = {}  # bucket -> [its gradient's bytes counted, parameter ids]
+        self._handed = GradientCount(self.meter)  # per bucket reduce-scattered per microbatch
         self._count_handed_gradients()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -139,32 +139,14 @@ class RankState:
         microbatch's gradient from its first accumulation until the backward hands it over
         (:meth:`gradients_handed_over`): transient, so the meter counts it (as a block's gradients
         are counted by :class:`~.block_gathers.BlockGathers`)."""
-        for node in self.dag.nodes.values():
-            key = (node.region, node.bucket)
-            if (node.kind != Kind.REDUCE_SCATTER or node.phase != "B" or self.rank not in node.devices
-                    or key in self._handed or key not in self.buckets):
-                continue
-            self._handed[key] = [0, set()]
-            for p in self.buckets[key].params:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._gradient_of(key))
-
-    def _gradient_of(self, key: tuple[str, int]) -> Callable:
-        def hook(p):
-            counted = self._handed[key]
-            if id(p) not in counted[1] and p.grad is not None:
-                counted[1].add(id(p))
-                nbytes = p.grad.untyped_storage().nbytes()
-                counted[0] += nbytes
-                self.meter.add(nbytes)
-        return hook
+        handed = {(node.region, node.bucket) for node in self.dag.nodes.values()
+                  if node.kind == Kind.REDUCE_SCATTER and node.phase == "B" and self.rank in node.devices}
+        for key in handed & self.buckets.keys():
+            self._handed.watch(key, self.buckets[key].params)
 
     def gradients_handed_over(self, key: tuple[str, int]) -> None:
         """Bucket ``key``'s gradient went into its reduce-scatter's payload (counted from there)."""
-        counted = self._handed.get(key)
-        if counted is not None:
-            self.meter.add(-counted[0])
-            self._handed[key] = [0, set()]
+        self.meter.add(-self._handed.take(key))
 
     def microbatches(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         """This rank's data shard of the global batch, on its device, cut into microbatches."""
