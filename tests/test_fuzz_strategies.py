@@ -38,7 +38,7 @@ from piper_plugin.scheduler.plan import PlanError, build_plan
 from parity import check_parity
 
 LONG = os.environ.get("PIPER_FUZZ_EXAMPLES")  # a long run: random draws; the suite: a fixed sample
-FULL = int(LONG or 130)
+FULL = int(LONG or 100)
 FAST = 2
 RECIPES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
 STREAM_OVERLAYS = [None, "kind=SEND", "kind=ALL_GATHER", "kind=REDUCE_SCATTER", "kind=ALL_TO_ALL"]
