@@ -7,9 +7,12 @@ virtual pipeline ``vpp``), builds its model chunks, wraps them in Megatron's DDP
 ``scenario["engines"]`` ("megatron", "piper", "piper:<recipe>"), starts again from the same
 weights and trains ``steps`` iterations. It reports, by global parameter name (layer numbers as
 the whole model has them, the tied output weight as the embedding): the losses the last stage
-reports, every gradient of the first iteration (after ``finalize_model_grads``), and every
-parameter after the last; and the reports of one evaluation pass (``forward_only``) on held-out
-batches after training.
+reports, every gradient of the first iteration (after ``finalize_model_grads``), the gradient
+norm of every step (as Megatron's optimizer computes it to clip by), and every parameter after
+the last; and the reports of one evaluation pass (``forward_only``) on held-out
+batches after training. A rank holding both copies of a tied embedding (DualPipeV's V) also
+reports whether they are equal as built (``tied_at_start``) and after the last step of each engine
+(``tied_after``).
 
 With ``zero`` (1, 2, 3) the chunks are :class:`ZeroChunk` s and the one engine is Piper's with
 its ZeRO over the data-parallel ranks: gradients and parameters are reported whole (gathered
@@ -132,8 +135,18 @@ def _forward_step(loss_tuple: int, data_iterator, model):
     return output, partial(loss_func, data["loss_mask"])
 
 
+def _tied_copies(chunks) -> tuple | None:
+    """The embedding and the output weight where one rank holds both as two parameters."""
+    pre = [_inner(c) for c in chunks if _inner(c).pre_process]
+    post = [_inner(c) for c in chunks if _inner(c).post_process]
+    if not pre or not post or post[0].output_layer.weight is None:
+        return None
+    return pre[0].embedding.word_embeddings.weight, post[0].output_layer.weight
+
+
 def _v_chunks(scenario: dict) -> list:
-    """This rank's stages in DualPipeV's V, built as the shipped entry builds them (untied)."""
+    """This rank's stages in DualPipeV's V, built as the shipped entry builds them (the tied
+    output weight a copy of the embedding on the rank holding both)."""
     from megatron.core import parallel_state
 
     from piper_plugin.adapters.megatron.arguments import parse_args
@@ -145,8 +158,10 @@ def _v_chunks(scenario: dict) -> list:
             "--num-attention-heads", str(scenario["heads"]), "--ffn-hidden-size", str(scenario["ffn"]),
             "--seq-length", str(scenario["seq"]), "--micro-batch-size", str(scenario["mbs"]), "--train-iters", "1",
             "--lr", "1", "--pipeline-model-parallel-size", str(pp), "--virtual-pipeline-model-parallel-size", "2",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--untie-embeddings-and-output-weights",
-            "--global-batch-size", str(scenario["mbs"] * scenario["microbatches"] * (scenario["world"] // pp)),
+            "--hidden-dropout", "0", "--attention-dropout", "0",
+            *([] if scenario["tied"] else ["--untie-embeddings-and-output-weights"]),
+            *(["--piper-zero", str(scenario["zero"])] if scenario["zero"] else []),
+            *(["--use-distributed-optimizer"] if scenario["distributed_optimizer"] else []), "--global-batch-size", str(scenario["mbs"] * scenario["microbatches"] * (scenario["world"] // pp)),
             "--pipeline-engine", "piper", "--piper-recipe", "dualpipev"]
     if scenario["moe"]:
         argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
@@ -216,8 +231,12 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
     last = any(_inner(c).post_process for c in chunks)  # holds the loss (DualPipeV's V: pipeline rank 0)
     report: dict = {}
     zero = scenario["zero"]
-    assert not zero or scenario["engines"] == ("piper",), "ZeroChunks run under Piper's engine only"
+    assert not zero or len(scenario["engines"]) == 1 and scenario["engines"][0].startswith("piper"), \
+        "ZeroChunks run under Piper's engine only"
     whole = (lambda t: t.full_tensor()) if zero else (lambda t: t)  # faces of this rank's rows, gathered
+    copies = _tied_copies(chunks) if scenario["tied"] else None  # both on this rank: the V's rank 0
+    if copies is not None:  # as the entry built them, before the weights are set by name
+        report["tied_at_start"] = bool(torch.equal(*copies))
     for engine in scenario["engines"]:
         _set_weights([c.module for c in chunks], scenario["tied"])
         if engine != "megatron":
@@ -231,7 +250,7 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
             chunks)
         if engine == "megatron":
             func = megatron_func()
-        losses, grads = [], {}
+        losses, grads, norms = [], {}, []
         for step in range(scenario["steps"]):
             for c in chunks:
                 c.zero_grad_buffer()
@@ -245,13 +264,15 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
             if step == 0 and not scenario["distributed_optimizer"]:
                 grads = {_global_name(c, n, scenario["tied"]): whole(p.grad if zero else p.main_grad).detach().clone()
                          for c in chunks for n, p in c.module.named_parameters()}
-            optimizer.step()
+            norms.append(float(optimizer.step()[1]))  # the gradient norm Megatron's optimizer clips by
             if last:
                 losses.append([{k: v.tolist() for k, v in r.items()} for r in reported])
             elif reported:
                 raise AssertionError(f"rank {rank} is not the last stage but its engine reported {reported}")
         params = {_global_name(c, n, scenario["tied"]): whole(p).detach().clone()
                   for c in chunks for n, p in c.module.named_parameters()}
+        if copies is not None:
+            report["tied_after"] = bool(torch.equal(*(whole(p) for p in _tied_copies(chunks))))  # ZeRO: faces
         if zero:  # what the rank keeps between steps
             buckets = func._cached[1].executor.state.buckets.values()
             report["zero"] = {"rows": sum(p.to_local().numel() for c in chunks for p in c.module.parameters()),
@@ -264,7 +285,8 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                              else iter(list(batches)), model=chunks, num_microbatches=m,
                              seq_length=scenario["seq"], micro_batch_size=scenario["mbs"], forward_only=True)
         evaluation = [[{k: v.tolist() for k, v in r.items()} for r in evaluated]] if last else []
-        report[engine] = {"losses": losses, "grads": grads, "params": params, "eval": evaluation}
+        report[engine] = {"losses": losses, "grads": grads, "params": params, "eval": evaluation,
+                          "grad_norms": norms}
     report["dp"] = dp
     dist.destroy_process_group()
     return report

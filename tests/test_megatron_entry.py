@@ -144,14 +144,25 @@ def test_the_entry_says_one_line_and_exits_2_without_a_traceback():
 
 
 @pytest.mark.slow
-def test_dualpipev_builds_its_v_and_asks_for_untied_embeddings(tmp_path):
+def test_dualpipev_builds_its_v_with_tied_or_untied_embeddings(tmp_path):
+    """The V puts the first and last stages on rank 0, which holds both copies of a tied
+    embedding (exactness: ``test_megatron_parity``); untied, each its own weight."""
     argv = BASE + ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                    "--global-batch-size", "8", "--train-iters", "4", "--pipeline-engine=piper",
                    "--piper-recipe", "dualpipev"]
-    reports = run_ranks(_rank, 2, 2, argv, str(tmp_path), timeout_s=300)
-    assert all("--untie-embeddings-and-output-weights" in r.get("error", "") for r in reports.values()), reports
-    losses = _losses(2, argv + ["--untie-embeddings-and-output-weights"], tmp_path)
-    assert len(losses) == 4 and losses[-1] < losses[0]
+    for untie in ([], ["--untie-embeddings-and-output-weights"]):
+        losses = _losses(2, argv + untie, tmp_path)
+        assert len(losses) == 4 and losses[-1] < losses[0], (untie, losses)
+
+
+def test_a_tied_embedding_needs_the_first_and_last_stages_on_one_rank():
+    from piper_plugin.adapters.megatron import ArgumentError
+    from piper_plugin.adapters.megatron.tied import check_tied_layout
+
+    check_tied_layout("dualpipev", {0: 0, 1: 1, 2: 1, 3: 0})
+    with pytest.raises(ArgumentError, match="--piper-recipe my_plan.json puts the first and last stages on "
+                                            "pipeline ranks 0 and 1.*--untie-embeddings-and-output-weights"):
+        check_tied_layout("my_plan.json", {0: 0, 1: 1, 2: 0, 3: 1})
 
 
 @pytest.mark.slow

@@ -152,8 +152,29 @@ def test_four_stages_and_zero_bubble_recipes():
 @pytest.mark.slow
 def test_dualpipev_with_stages_built_in_its_v_equals_single_device_training():
     """DualPipeV's V (rank 0 holds the first and last stages): each stage built as a model of its
-    own by the shipped entry's builder, marked with its stage; MoE with the aux loss."""
-    scenario = dict(pp=2, layout="v", tied=False, moe=True, engines=("piper:dualpipev",), steps=2)
+    own by the shipped entry's builder, marked with its stage; MoE with the aux loss; the output
+    layer tied to the embedding (Megatron's default), so rank 0 holds both copies: the builder
+    makes them equal, each step gives both the summed gradient (the embedding's gradient equals
+    the single-device model's one tied weight's), the gradient norm counts the weight once (the
+    clipped second step's losses agree), and the copies stay equal."""
+    scenario = dict(pp=2, layout="v", tied=True, moe=True, engines=("piper:dualpipev",), steps=2)
     reports = _reports(2, **scenario)
     reference = _reference(4, **{k: v for k, v in scenario.items() if k not in ("pp", "layout", "engines")})
     _assert_same_training(reports, "piper:dualpipev", reference, "megatron")
+    norms = [report["piper:dualpipev"]["grad_norms"] for report in reports.values()]
+    assert norms[0] == norms[1] and np.allclose(norms[0], reference[0]["megatron"]["grad_norms"], rtol=TOL, atol=0), \
+        (norms, reference[0]["megatron"]["grad_norms"])
+    assert reports[0]["tied_at_start"] and reports[0]["tied_after"], reports[0].get("tied_at_start")
+    assert "tied_at_start" not in reports[1]  # the middle stages' rank holds neither copy
+
+
+@pytest.mark.slow
+def test_dualpipev_with_tied_embeddings_under_piper_zero3():
+    """The V over pp 2 x dp 2 with Piper's ZeRO-3: the tied copies are DTensor faces of each
+    rank's rows, made after the build; their gradients are summed row by row on both
+    data-parallel replicas of the rank holding them."""
+    scenario = dict(pp=2, layout="v", tied=True, zero=3, engines=("piper:dualpipev",), steps=2)
+    reports = _reports(4, **scenario)
+    _assert_same_training(reports, "piper:dualpipev", _reference(8, tied=True, steps=2), "megatron")
+    holders = sorted(rank for rank, report in reports.items() if "tied_at_start" in report)
+    assert len(holders) == 2 and all(reports[r]["tied_at_start"] and reports[r]["tied_after"] for r in holders)

@@ -3,7 +3,7 @@ the adapter's Megatron-style entry (:mod:`piper_plugin.calibrate_host`'s host co
 
 A job is the user's arguments with ``--pipeline-engine=piper``, a recipe of the model's stage
 layout (no virtual pipeline: 1F1B and ZB-H1, whose split backward measures BI and BW; a virtual
-size of 2: interleaved 1F1B, and DualPipeV where the embeddings are untied; and, for a model
+size of 2: interleaved 1F1B and DualPipeV; and, for a model
 without one, interleaved 1F1B over a virtual pipeline of 2 where the layers allow), ``--micro-batch-size`` giving the microbatch count
 per pipeline, ``--train-iters`` and ``--piper-trace`` set. A user argument the jobs set
 themselves is refused, naming it.
@@ -14,7 +14,7 @@ from typing import Sequence
 
 from piper_plugin import UsageError
 
-__all__ = ["program", "calibration_layouts", "job_argv", "tunable_recipes", "tunable_zero", "SET_BY_CALIBRATION"]
+__all__ = ["program", "calibration_layouts", "job_argv", "tunable_zero", "SET_BY_CALIBRATION"]
 
 program = "piper_plugin.adapters.megatron.pretrain_gpt"
 SET_BY_CALIBRATION = ("--piper-recipe", "--micro-batch-size", "--train-iters", "--piper-trace", "--piper-trace-memory",
@@ -37,9 +37,8 @@ def _checked(argv: Sequence[str], nproc: int):
 
 
 def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tuple[int, str, str | None]]]:
-    """(batch per pipeline, layouts): the model's own layout with its two recipes (DualPipeV, the
-    split one of a virtual pipeline, only with untied embeddings: its V puts the first and last
-    stages on one rank), then, without a virtual pipeline and where the layers split over twice
+    """(batch per pipeline, layouts): the model's own layout with its two recipes (DualPipeV the
+    split one of a virtual pipeline), then, without a virtual pipeline and where the layers split over twice
     the stages (and there are two at least), interleaved 1F1B over a virtual pipeline of 2."""
     _, parsed = _checked(argv, nproc)
     vpp = parsed.virtual_pipeline_model_parallel_size
@@ -53,7 +52,7 @@ def calibration_layouts(argv: Sequence[str], nproc: int) -> tuple[int, list[tupl
         if not uneven and pp > 1 and parsed.num_layers % (2 * pp) == 0:
             layouts.append((2, "interleaved-1f1b", None))
     else:  # without DualPipeV no split backward is measured (BI, BW: half of B)
-        layouts = [(2, "interleaved-1f1b", "dualpipev" if parsed.untie_embeddings_and_output_weights else None)]
+        layouts = [(2, "interleaved-1f1b", "dualpipev")]
     return parsed.global_batch_size // parsed.data_parallel_size, layouts
 
 
@@ -81,13 +80,3 @@ def tunable_zero(argv: Sequence[str], nproc: int) -> tuple[int, ...]:
 
     _, parsed = _checked(argv, nproc)
     return tuple(LEVELS) if parsed.piper_zero is not None else (0,)
-
-
-def tunable_recipes(argv: Sequence[str], nproc: int) -> list[str]:
-    """The built-in recipes the entry runs for these arguments: with tied embeddings not those
-    whose V puts the first and last stages on one rank (the entry refuses them)."""
-    from piper_plugin import recipes
-
-    _, parsed = _checked(argv, nproc)
-    names = list(recipes.RECIPES)
-    return names if parsed.untie_embeddings_and_output_weights else [n for n in names if n != "dualpipev"]

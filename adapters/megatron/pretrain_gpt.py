@@ -26,6 +26,7 @@ import torch.distributed as dist
 from piper_plugin.adapters.megatron.arguments import parse_args
 from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
 from piper_plugin.adapters.megatron.schedule import ArgumentError, stage_placement
+from piper_plugin.adapters.megatron.tied import check_tied_layout, tie_output_to_embedding, tied_finalize
 from piper_plugin.adapters.megatron.zero import ZeroChunk
 
 __all__ = ["main", "pretrain"]
@@ -80,7 +81,8 @@ def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
 
     ``placement`` (stage -> pipeline rank, from the Piper recipe) other than Megatron's loop
     layout builds each of this rank's stages as a chunk of its own (``piper_stage``): its share
-    of the layers, the embedding on stage 0, the output layer on the last (untied)."""
+    of the layers, the embedding on stage 0, the output layer on the last (tied to the embedding
+    on this rank, :mod:`.tied`, unless ``--untie-embeddings-and-output-weights``)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -95,7 +97,8 @@ def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
     stages = list(range(vpp or 1)) if loop else sorted(s for s, rank in placement.items() if rank == pp_rank)
     if not loop:
         _check_own_layout(args, placement)
-    chunks, configs = [], []
+    tied = not args.untie_embeddings_and_output_weights
+    models, configs = [], []
     for k, stage in enumerate(stages):
         if loop:
             vp = k if vpp else None
@@ -108,11 +111,18 @@ def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
                 config, num_layers=args.num_layers // len(placement), pipeline_model_parallel_size=1,
                 virtual_pipeline_model_parallel_size=None)
         model = GPTModel(config=chunk_config, transformer_layer_spec=spec, vocab_size=vocab_size,
-                         max_sequence_length=args.max_position_embeddings,
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         max_sequence_length=args.max_position_embeddings, share_embeddings_and_output_weights=tied,
                          pre_process=first, post_process=last, vp_stage=vp)
         if not loop:
             model.piper_stage = stage
+        models.append(model)
+        configs.append(chunk_config)
+    finalize = finalize_model_grads
+    if not loop and tied:  # before DDP builds its buckets: the copy's tags choose them
+        tie_output_to_embedding(models)
+        finalize = tied_finalize()
+    chunks = []
+    for k, (model, chunk_config) in enumerate(zip(models, configs)):
         if getattr(args, "piper_zero", None):
             chunks.append(ZeroChunk(chunk_config, model))
         else:
@@ -120,19 +130,16 @@ def build_model(args, vocab_size: int, placement: dict[int, int] | None = None):
                                                 grad_reduce_in_fp32=True)
             chunks.append(DistributedDataParallel(config=chunk_config, ddp_config=ddp, module=model,
                                                   disable_bucketing=k > 0))
-        configs.append(chunk_config)
     for chunk_config in {id(c): c for c in configs}.values():
         chunk_config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
-        chunk_config.finalize_model_grads_func = finalize_model_grads
+        chunk_config.finalize_model_grads_func = finalize
     return chunks, config
 
 
 def _check_own_layout(args, placement: dict[int, int]) -> None:
     recipe = f"--piper-recipe {args.piper_recipe}"
     if not args.untie_embeddings_and_output_weights:
-        raise ArgumentError(f"{recipe} puts the first and last stages on pipeline ranks {placement[0]} and "
-                            f"{placement[len(placement) - 1]}, not Megatron's; its tied embedding reduction "
-                            f"assumes Megatron's layout: add --untie-embeddings-and-output-weights")
+        check_tied_layout(args.piper_recipe, placement)
     if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
         raise ArgumentError(f"{recipe} with --decoder-first/last-pipeline-num-layers: this layout splits the layers "
                             f"evenly; drop them")
