@@ -41,9 +41,7 @@ _V = ["--virtual-pipeline-model-parallel-size", "2"]
 SCHEDULES: dict[str, tuple[list[str], list[str]]] = {
     "1f1b": ([], []),
     "interleaved": (_V, _V),
-    "dualpipev-moe": (_V + _MOE + ["--untie-embeddings-and-output-weights"],
-                      _V + _MOE + ["--untie-embeddings-and-output-weights", "--pipeline-engine", "piper",
-                                   "--piper-recipe", "dualpipev"]),
+    "dualpipev-moe": (_V + _MOE, _V + _MOE + ["--pipeline-engine", "piper", "--piper-recipe", "dualpipev"]),
 }
 ENGINES = ("megatron", "piper")
 
@@ -180,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
         f"each; {args.rounds} rounds. Step time = slowest rank, barrier to end of optimizer step. Losses: each "
         f"engine's first two steps, a sanity check only (parity is tested in tests/test_megatron_parity.py; "
         f"dualpipev-moe: Piper's DualPipeV with its stages built in its V, against Megatron's interleaved "
-        f"schedule, 2 chunks per rank, 4 experts, top-2, untied embeddings; different layouts initialise "
+        f"schedule, 2 chunks per rank, 4 experts, top-2, tied embeddings; different layouts initialise "
         f"differently).", "",
         markdown_table(["schedule", "Piper median ms", "Megatron median ms", "ratio Piper/Megatron",
                         "paired-step ratio (pairs)", "Megatron losses (its first 2 steps)", "Piper losses (its first 2 steps)"],
