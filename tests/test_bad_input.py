@@ -143,6 +143,9 @@ ENTRY = [
      "--piper-zero 3 with data-parallel size 1"),
     (["--piper-zero", "2", "--pipeline-engine=piper", "--use-distributed-optimizer"],
      "drop --use-distributed-optimizer"),
+    (["--eval-interval", "5"], "--eval-interval 5 without --eval-iters"),
+    (["--eval-iters", "2", "--split", "100,0,0"], "--eval-iters 2 with --split 100,0,0: no document is for validation"),
+    (["--split", "90,10"], "--split 90,10: give three non-negative weights"),
 ]
 ENTRY_BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "2"]

@@ -24,10 +24,15 @@ def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) ->
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PIPER_CACHE": cache,
                        "OMP_NUM_THREADS": "1"})
+    import contextlib
+    import io
+
+    log = io.StringIO()
     try:
         from piper_plugin.adapters.megatron.pretrain_gpt import pretrain
 
-        report = {"losses": pretrain(argv)}
+        with contextlib.redirect_stdout(log):
+            report = {"losses": pretrain(argv), "validation": _validation(log.getvalue())}
     except BaseException as exc:  # noqa: BLE001 - the test shows the rank's error
         import traceback
 
@@ -40,12 +45,24 @@ def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) ->
     out.put((rank, report))
 
 
+def _validation(log: str) -> dict[str, float]:
+    """Megatron-LM's ``validation loss at <where> | lm loss value: <v> | ...`` lines, by where."""
+    import re
+
+    return {m[1]: float(m[2]) for m in re.finditer(r" validation loss at (.*?) \| lm loss value: (\S+) \|", log)}
+
+
 def _losses(world: int, argv: list[str], cache) -> list[float]:
+    return _run(world, argv, cache)[0]
+
+
+def _run(world: int, argv: list[str], cache) -> tuple[list[float], dict[str, float]]:
+    """The losses and the validation results the reporting rank logs."""
     reports = run_ranks(_rank, world, world, argv, str(cache), timeout_s=300)
     errors = [r["error"] for r in reports.values() if "error" in r]
     assert not errors, errors[0]
-    holders = [r["losses"] for _, r in sorted(reports.items()) if r["losses"]]  # the last stage's ranks
-    return holders[-1]
+    holders = [r for _, r in sorted(reports.items()) if r["losses"]]  # the last stage's ranks
+    return holders[-1]["losses"], holders[-1]["validation"]
 
 
 def _both(world: int, argv: list[str], cache) -> tuple[list[float], list[float]]:
@@ -93,20 +110,28 @@ def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
     logs Megatron's own engine's losses. ``--clip-grad 0.01`` is far below the gradients' norm and
     a large ``--adam-eps`` makes Adam's update follow the gradient, so the clip shows in the losses
     (at 8151177 a run without it differed by more than 0.1%): a clip the Piper engine ignored
-    would fail the comparison."""
+    would fail the comparison. Megatron-LM's evaluation (``--eval-interval 5 --eval-iters 1``, the
+    documents split 969,30,1): every validation and test result as Megatron's engine logs it, and
+    the resumed run's (its validation batches continue after the ones iteration 5 read) as the
+    uninterrupted run's."""
     argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
                    "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.01", "--adam-eps", "1.0",
-                   "--lr", "0.5", "--lr-decay-iters", "10"]  # the schedule of the 10-iteration run in all four
-    megatron = _losses(4, argv + ["--train-iters", "10", "--pipeline-engine=megatron"], tmp_path)
+                   "--lr", "0.5", "--lr-decay-iters", "10",  # the schedule of the 10-iteration run in all four
+                   "--eval-interval", "5", "--eval-iters", "1"]
+    megatron, megatron_eval = _run(4, argv + ["--train-iters", "10", "--pipeline-engine=megatron"], tmp_path)
     argv.append("--pipeline-engine=piper")
-    whole = _losses(4, argv + ["--train-iters", "10"], tmp_path)
+    whole, whole_eval = _run(4, argv + ["--train-iters", "10"], tmp_path)
     assert whole == pytest.approx(megatron, rel=1e-5, abs=0)
+    assert list(whole_eval) == ["iteration 5", "iteration 10", "iteration 10 on validation set",
+                                "iteration 10 on test set"]
+    assert whole_eval == pytest.approx(megatron_eval, rel=1e-5, abs=0)
     ckpt = tmp_path / "ckpt"
     first = _losses(4, argv + ["--train-iters", "5", "--save", str(ckpt), "--save-interval", "5"], tmp_path)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
-    rest = _losses(4, argv + ["--train-iters", "10", "--load", str(ckpt)], tmp_path)
+    rest, rest_eval = _run(4, argv + ["--train-iters", "10", "--load", str(ckpt)], tmp_path)
     assert first == whole[:5]
     assert rest == pytest.approx(whole[5:], rel=1e-6, abs=0)
+    assert rest_eval == pytest.approx({k: v for k, v in whole_eval.items() if k != "iteration 5"}, rel=1e-6, abs=0)
 
 
 @pytest.mark.slow

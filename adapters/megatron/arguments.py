@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--adam-beta2", type=float, default=0.999)
     train.add_argument("--adam-eps", type=float, default=1e-8)
     train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--eval-interval", type=int, default=None,
+                       help="evaluate on the validation split every N iterations (and after the last one)")
+    train.add_argument("--eval-iters", type=int, default=0,
+                       help="global batches per evaluation (Megatron-LM's; default 0 here: no evaluation)")
     train.add_argument("--log-interval", type=int, default=100)
     train.add_argument("--use-distributed-optimizer", action="store_true")
     train.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
@@ -82,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="prefix of a Megatron indexed dataset (.bin/.idx); default: the corpus Piper ships")
     data.add_argument("--tokenizer-file", default=None,
                       help="a tokenizers JSON file for --data-path's vocabulary; default: the one Piper ships")
+    data.add_argument("--split", default=None,
+                      help="train, validation, test weights of the documents, as Megatron-LM's (default: 969,30,1 "
+                           "with --eval-iters, else 100,0,0: every document trains)")
     data.add_argument("--save", default=None)
     data.add_argument("--load", default=None)
     data.add_argument("--save-interval", type=int, default=None)
@@ -177,6 +184,7 @@ def validate(args: argparse.Namespace, world: int) -> None:
         raise ArgumentError("--piper-trace-memory records into the step trace: add --piper-trace DIR")
     _check_zero(args, dp, ep)
     _check_files(args)
+    _check_evaluation(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval without --save: name the folder checkpoints go to")
     if args.save_interval is not None and args.save_interval < 1:
@@ -187,6 +195,31 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
+
+
+def _check_evaluation(args: argparse.Namespace) -> None:
+    """``--eval-interval`` / ``--eval-iters`` / ``--split``: Megatron-LM's evaluation; sets
+    ``args.split`` to the three weights."""
+    if args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters {args.eval_iters}: must be 0 (no evaluation) or a number of global batches")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        raise ArgumentError(f"--eval-interval {args.eval_interval}: must be a positive number of iterations")
+    if args.eval_interval is not None and not args.eval_iters:
+        raise ArgumentError(f"--eval-interval {args.eval_interval} without --eval-iters: say how many global batches "
+                            f"each evaluation runs (--eval-iters N)")
+    text = args.split or ("969,30,1" if args.eval_iters else "100,0,0")
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0:
+        raise ArgumentError(f"--split {text}: give three non-negative weights, train,validation,test (e.g. 969,30,1)")
+    if args.eval_iters and not weights[1]:
+        raise ArgumentError(f"--eval-iters {args.eval_iters} with --split {text}: no document is for validation; "
+                            f"give the second weight a share (e.g. 969,30,1)")
+    if not weights[0]:
+        raise ArgumentError(f"--split {text}: no document is for training; give the first weight a share")
+    args.split = ",".join(f"{w:g}" for w in weights)
 
 
 def _check_files(args: argparse.Namespace) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShippedTokenizer", "shipped_corpus", "train_dataset", "PretrainingBatches", "ASSETS"]
+__all__ = ["ShippedTokenizer", "shipped_corpus", "train_dataset", "split_datasets", "PretrainingBatches", "ASSETS"]
 
 import piper_plugin as _piper
 
@@ -99,18 +99,28 @@ def shipped_corpus(tokenizer: ShippedTokenizer, cache: Path | None = None) -> st
 
 
 def train_dataset(prefix: str, tokenizer: Any, *, seq_length: int, samples: int, seed: int):
-    """Megatron's ``GPTDataset`` over ``prefix`` with at least ``samples`` training samples."""
+    """Megatron's ``GPTDataset`` over ``prefix`` with at least ``samples`` training samples (every
+    document trains)."""
+    return split_datasets(prefix, tokenizer, seq_length=seq_length, samples=(samples, 0, 0), seed=seed)[0]
+
+
+def split_datasets(prefix: str, tokenizer: Any, *, seq_length: int, samples: tuple[int, int, int], seed: int,
+                   split: str = "100,0,0") -> tuple[Any, Any, Any]:
+    """Megatron's train, validation and test ``GPTDataset`` s over ``prefix``, the documents split
+    by Megatron-LM's ``split`` weights, with at least ``samples`` samples each (None where a
+    count or a weight is 0)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     if not Path(prefix + ".idx").exists() or not Path(prefix + ".bin").exists():
         raise FileNotFoundError(prefix)
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=([prefix], None), split="100,0,0",
+        random_seed=seed, sequence_length=seq_length, blend=([prefix], None), split=split,
         tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         path_to_cache=str(Path(prefix).parent / "index-cache"), mid_level_dataset_surplus=0.005)
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [samples, None, None], lambda: True, config).build()
-    return train
+    sizes = [n or None for n in samples]
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return tuple(d if n else None for d, n in zip(built, sizes))
 
 
 class PretrainingBatches:

@@ -198,7 +198,8 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
 
     from piper_plugin.adapters.megatron import get_forward_backward_func as piper_forward_backward
     from piper_plugin.adapters.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
+    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, split_datasets
+    from piper_plugin.adapters.megatron.evaluation import SplitEvaluation, result_lines
 
     cpu = apply_cpu_fixes()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -215,8 +216,11 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     tokenizer = ShippedTokenizer(args.tokenizer_file) if args.tokenizer_file else ShippedTokenizer()
     prefix = args.data_path or shipped_corpus(tokenizer)
     try:
-        dataset = train_dataset(prefix, tokenizer, seq_length=args.seq_length,
-                                samples=args.train_iters * args.global_batch_size, seed=args.seed)
+        evaluations = (args.train_iters // args.eval_interval if args.eval_interval else 0) + 1
+        dataset, valid_set, test_set = split_datasets(
+            prefix, tokenizer, seq_length=args.seq_length, seed=args.seed, split=args.split,
+            samples=(args.train_iters * args.global_batch_size, evaluations * args.eval_iters * args.global_batch_size,
+                     args.eval_iters * args.global_batch_size))
     except FileNotFoundError:
         raise ArgumentError(f"--data-path {prefix}: no {prefix}.bin / {prefix}.idx; give the prefix of a Megatron "
                             f"indexed dataset (as preprocess_data.py writes it)") from None
@@ -258,6 +262,18 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                  f"; {args.num_microbatches} microbatches of {args.micro_batch_size}")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     reporter = _reports_loss(placement)
+    validation = test = None
+    if valid_set is not None:  # resumed: after the batches the earlier evaluations read
+        validation = SplitEvaluation(valid_set, args, dp=dp, dp_rank=dp_rank, consumed_batches=(
+            iteration // args.eval_interval * args.eval_iters if args.eval_interval else 0))
+    if test_set is not None:
+        test = SplitEvaluation(test_set, args, dp=dp, dp_rank=dp_rank)
+
+    def evaluate(split: SplitEvaluation, where: str) -> None:
+        values = split.run(forward_backward, forward_step, chunks)
+        if reporter:
+            print("\n".join(result_lines(where, values)), flush=True)
+
     losses: list[float] = []
     interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
     skipped = nans = 0
@@ -292,12 +308,18 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                                 interval_loss / interval_iters if reports else None, grad_norm, consumed, skipped,
                                 nans), flush=True)
             interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
+        if validation is not None and args.eval_interval and iteration % args.eval_interval == 0:
+            evaluate(validation, f"iteration {iteration}")
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(args, iteration, consumed, chunks, optimizer, scheduler)
             _print_first(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         save_checkpoint(args, iteration, consumed, chunks, optimizer, scheduler)
         _print_first(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    if validation is not None:
+        evaluate(validation, f"iteration {iteration} on validation set")
+    if test is not None:
+        evaluate(test, f"iteration {iteration} on test set")
     return losses
 
 
