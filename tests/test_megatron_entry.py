@@ -106,7 +106,8 @@ def test_uneven_layer_split_and_experts_over_data_parallel_ranks(tmp_path):
 @pytest.mark.slow
 def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
     """``--save`` at iteration 5, ``--load`` then logs iterations 6-10 as the run that went on
-    did (pp 2 x dp 2, distributed optimizer, LR decaying, gradients clipped); the run that went on
+    did (pp 2 x dp 2, distributed optimizer, LR decaying, gradients clipped, experts split over the
+    data-parallel ranks: each expert rank saves and loads its own experts); the run that went on
     logs Megatron's own engine's losses. ``--clip-grad 0.01`` is far below the gradients' norm and
     a large ``--adam-eps`` makes Adam's update follow the gradient, so the clip shows in the losses
     (at 8151177 a run without it differed by more than 0.1%): a clip the Piper engine ignored
@@ -117,7 +118,8 @@ def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
     argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--use-distributed-optimizer",
                    "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0.01", "--adam-eps", "1.0",
                    "--lr", "0.5", "--lr-decay-iters", "10",  # the schedule of the 10-iteration run in all four
-                   "--eval-interval", "5", "--eval-iters", "1"]
+                   "--eval-interval", "5", "--eval-iters", "1",
+                   "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
     megatron, megatron_eval = _run(4, argv + ["--train-iters", "10", "--pipeline-engine=megatron"], tmp_path)
     argv.append("--pipeline-engine=piper")
     whole, whole_eval = _run(4, argv + ["--train-iters", "10"], tmp_path)

@@ -5,6 +5,8 @@
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim_dp<r>.pt (--use-distributed-optimizer)
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/zero_optim_dp<r>.pt    (--piper-zero)
     <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/rng_dp<r>.pt
+    (with --expert-model-parallel-size > 1 the folders are mp_rank_00_<pp>_<expert rank 3 digits>,
+    each model file written by the first data-parallel replica of those experts)
 
 ``model_optim_rng.pt`` holds ``model`` (``model0``, ``model1``... with a virtual pipeline),
 ``optimizer``, ``opt_param_scheduler``, ``iteration``, ``consumed_samples`` and the arguments;
@@ -39,8 +41,23 @@ __all__ = ["save_checkpoint", "load_checkpoint", "TRACKER"]
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _folder(root: str, iteration: int, pp_rank: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}" / f"mp_rank_00_{pp_rank:03d}"
+def _folder(root: str, iteration: int) -> Path:
+    """This rank's folder, named as Megatron-LM's legacy checkpoints: by pipeline rank, and with
+    expert parallelism also by expert rank (each holds its own experts)."""
+    from megatron.core import parallel_state
+
+    name = f"mp_rank_00_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
+    return Path(root) / f"iter_{iteration:07d}" / name
+
+
+def _writes_model() -> bool:
+    """The rank that writes its folder's model file: the first replica of its experts (with no
+    expert parallelism, data-parallel rank 0)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_rank() == 0
 
 
 def _model_keys(chunks: list) -> list[str]:
@@ -51,9 +68,9 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
                     scheduler) -> None:
     from megatron.core import parallel_state
 
-    pp_rank, dp_rank = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_data_parallel_rank()
-    folder = _folder(args.save, iteration, pp_rank)
-    if dp_rank == 0:
+    dp_rank, writer = parallel_state.get_data_parallel_rank(), _writes_model()
+    folder = _folder(args.save, iteration)
+    if writer:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     zero = getattr(args, "piper_zero", None)
@@ -65,7 +82,7 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
     torch.save(_rng_state(), folder / f"rng_dp{dp_rank:03d}.pt")  # each rank's own generators (dropout)
     if zero:  # gathering the faces whole is a collective: every data-parallel rank takes part
         models = {key: full_model_state(_module(chunk)) for key, chunk in zip(_model_keys(chunks), chunks)}
-    if dp_rank == 0:
+    if writer:
         state: dict[str, Any] = models if zero else {key: _module(chunk).state_dict_for_save_checkpoint()
                                                      for key, chunk in zip(_model_keys(chunks), chunks)}
         state.update(optimizer=None if args.use_distributed_optimizer or zero else optimizer.state_dict(),
@@ -95,11 +112,15 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
                                 f"finished); point it at the folder --save wrote")
         return 0, 0
     iteration = int(tracker.read_text().strip())
-    folder = _folder(args.load, iteration, parallel_state.get_pipeline_model_parallel_rank())
+    folder = _folder(args.load, iteration)
+    if not (folder / "model_optim_rng.pt").exists():
+        raise ArgumentError(f"--load {args.load}: iteration {iteration} has no {folder.name}/model_optim_rng.pt (saved "
+                            f"with another --pipeline-model-parallel-size or --expert-model-parallel-size); load "
+                            f"with the sizes it was saved with")
     state = torch.load(folder / "model_optim_rng.pt", map_location="cpu", weights_only=False)
     saved = state.get("args", {})
     for name in ("num_layers", "hidden_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                 "num_experts"):
+                 "num_experts", "expert_model_parallel_size"):
         if saved.get(name) != getattr(args, name):
             flag = "--" + name.replace("_", "-")
             raise ArgumentError(f"--load {args.load}: the checkpoint was saved with {flag} {saved.get(name)}, "
