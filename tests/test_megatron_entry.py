@@ -173,13 +173,19 @@ def test_the_entry_says_one_line_and_exits_2_without_a_traceback():
 @pytest.mark.slow
 def test_dualpipev_builds_its_v_with_tied_or_untied_embeddings(tmp_path):
     """The V puts the first and last stages on rank 0, which holds both copies of a tied
-    embedding (exactness: ``test_megatron_parity``); untied, each its own weight."""
+    embedding (exactness: ``test_megatron_parity``); untied, each its own weight. Its checkpoint
+    holds the V's stages: loading it under Megatron's layout is refused, naming the recipe."""
     argv = BASE + ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
-                   "--global-batch-size", "8", "--train-iters", "4", "--pipeline-engine=piper",
-                   "--piper-recipe", "dualpipev"]
+                   "--global-batch-size", "8", "--train-iters", "4", "--pipeline-engine=piper"]
+    ckpt = ["--save", str(tmp_path / "ckpt")]
     for untie in ([], ["--untie-embeddings-and-output-weights"]):
-        losses = _losses(2, argv + untie, tmp_path)
+        losses = _losses(2, argv + ["--piper-recipe", "dualpipev"] + untie + (ckpt if untie else []), tmp_path)
         assert len(losses) == 4 and losses[-1] < losses[0], (untie, losses)
+    reports = run_ranks(_rank, 2, 2, argv + ["--untie-embeddings-and-output-weights", "--train-iters", "6", "--load",
+                                             str(tmp_path / "ckpt")], str(tmp_path), timeout_s=300)
+    want = {0: "were saved as stages [0, 3], but this run builds stages [0, 2]",
+            1: "were saved as stages [1, 2], but this run builds stages [1, 3]"}
+    assert all(want[rank] in r.get("error", "") for rank, r in reports.items()), reports
 
 
 def test_a_tied_embedding_needs_the_first_and_last_stages_on_one_rank():

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from piper_plugin.adapters.megatron.schedule import ArgumentError
+from piper_plugin.adapters.megatron.schedule import ArgumentError, stage_of
 from piper_plugin.adapters.megatron.zero import (
     full_model_state, load_full_model_state, load_local_optimizer_state, local_optimizer_state,
 )
@@ -85,7 +85,8 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, consumed_samples: 
     if writer:
         state: dict[str, Any] = models if zero else {key: _module(chunk).state_dict_for_save_checkpoint()
                                                      for key, chunk in zip(_model_keys(chunks), chunks)}
-        state.update(optimizer=None if args.use_distributed_optimizer or zero else optimizer.state_dict(),
+        state.update(stages=_stages(chunks),
+                     optimizer=None if args.use_distributed_optimizer or zero else optimizer.state_dict(),
                      opt_param_scheduler=scheduler.state_dict(),
                      iteration=iteration, consumed_samples=consumed_samples, args=vars(args),
                      checkpoint_version=3.0)
@@ -125,6 +126,10 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
             flag = "--" + name.replace("_", "-")
             raise ArgumentError(f"--load {args.load}: the checkpoint was saved with {flag} {saved.get(name)}, "
                                 f"this run has {getattr(args, name)}; use the same {flag}")
+    if "stages" in state and state["stages"] != _stages(chunks):
+        raise ArgumentError(f"--load {args.load}: this pipeline rank's chunks were saved as stages {state['stages']}, "
+                            f"but this run builds stages {_stages(chunks)} here (a recipe with another layout: "
+                            f"--piper-recipe {args.piper_recipe or 'left out'}); load with the recipe it was saved with")
     zero = getattr(args, "piper_zero", None)
     for key, chunk in zip(_model_keys(chunks), chunks):
         if zero:
@@ -157,6 +162,14 @@ def _load_rows(args: argparse.Namespace, folder: Path, stem: str, flag: str, opt
                             f"another data-parallel size or without {flag}); load with the layout it was saved with")
     for inner, saved in zip(_inner_optimizers(optimizer), torch.load(path, weights_only=False)):
         load(inner, saved)
+
+
+def _stages(chunks: list) -> list[int]:
+    """The pipeline stage each of this rank's chunks is (Megatron's layout, or a recipe's own)."""
+    from megatron.core import parallel_state
+
+    pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    return [stage_of(chunk, k, pp, pp_rank) for k, chunk in enumerate(chunks)]
 
 
 def _module(chunk):
