@@ -89,8 +89,9 @@ def test_piper_engine_interleaved(tmp_path):
 
 @pytest.mark.slow
 def test_uneven_layer_split_and_experts_over_data_parallel_ranks(tmp_path):
-    """5 layers on 2 stages (Megatron's --decoder-first-pipeline-num-layers), and experts split over
-    2 data-parallel ranks (pp 2 x dp 2, their all-to-all inside each stage's forward)."""
+    """5 layers on 2 stages (Megatron's --decoder-first-pipeline-num-layers), experts split over
+    2 data-parallel ranks (pp 2 x dp 2, their all-to-all inside each stage's forward), and
+    Piper's ZeRO-2 with experts split over 2 of 4 data-parallel ranks."""
     no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]
     megatron, piper = _both(2, BASE + no_dropout + ["--num-layers", "5", "--decoder-first-pipeline-num-layers", "3",
                                                     "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
@@ -101,6 +102,13 @@ def test_uneven_layer_split_and_experts_over_data_parallel_ranks(tmp_path):
     megatron, piper = _both(4, BASE + no_dropout + moe + ["--pipeline-model-parallel-size", "2",
                                                           "--global-batch-size", "8", "--train-iters", "3"], tmp_path)
     assert piper == pytest.approx(megatron, rel=1e-5, abs=0)
+    # dp 4 over 2 expert ranks: each expert has 2 replicas, which Piper's ZeRO leaves out of its
+    # buckets and ZeroChunk sums over Megatron's expert-data-parallel group (as its DDP does)
+    replicated = BASE + no_dropout + moe + ["--pipeline-model-parallel-size", "1", "--num-layers", "2",
+                                            "--global-batch-size", "16", "--train-iters", "3"]
+    megatron = _losses(4, replicated + ["--pipeline-engine=megatron"], tmp_path)
+    zero = _losses(4, replicated + ["--pipeline-engine=piper", "--piper-zero", "2"], tmp_path)
+    assert zero == pytest.approx(megatron, rel=1e-5, abs=0)
 
 
 @pytest.mark.slow
@@ -138,20 +146,25 @@ def test_save_then_load_reproduces_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 def test_piper_zero_trains_as_megatrons_ddp_and_resumes_at_another_level(tmp_path):
-    """``--piper-zero 2`` (pp 2 x dp 2, dropout on) logs Megatron's losses and saves the model whole
-    in Megatron's layout; ``--piper-zero 3`` loads that checkpoint (each rank's optimizer rows) and
-    logs iterations 4-6 as Megatron's uninterrupted run; the final models agree per parameter."""
+    """``--piper-zero 2`` (pp 2 x dp 2, dropout on, experts split over the data-parallel ranks)
+    logs Megatron's losses and saves the model whole in Megatron's layout; ``--piper-zero 3``
+    loads that checkpoint (each rank's optimizer rows) and logs iterations 4-6 as Megatron's
+    uninterrupted run; the final models agree per parameter, each expert rank's folder with
+    Megatron's."""
     import torch
 
-    argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--lr-decay-iters", "6"]
+    argv = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--lr-decay-iters", "6",
+                   "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
     megatron = _losses(4, argv + ["--train-iters", "6", "--save", str(tmp_path / "megatron")], tmp_path)
     first = _losses(4, argv + ["--pipeline-engine=piper", "--piper-zero", "2", "--train-iters", "3",
                                "--save", str(tmp_path / "zero")], tmp_path)
     rest = _losses(4, argv + ["--pipeline-engine=piper", "--piper-zero", "3", "--train-iters", "6",
                               "--load", str(tmp_path / "zero"), "--save", str(tmp_path / "zero")], tmp_path)
     assert first + rest == pytest.approx(megatron, rel=1e-5, abs=0)
-    for stage in ("000", "001"):
-        want, got = (torch.load(tmp_path / run / "iter_0000006" / f"mp_rank_00_{stage}" / "model_optim_rng.pt",
+    folders = sorted(p.name for p in (tmp_path / "megatron" / "iter_0000006").iterdir())
+    assert folders == ["mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_00_001_000", "mp_rank_00_001_001"]
+    for folder in folders:
+        want, got = (torch.load(tmp_path / run / "iter_0000006" / folder / "model_optim_rng.pt",
                                 weights_only=False)["model"] for run in ("megatron", "zero"))
         assert want.keys() == got.keys()
         for name, value in want.items():

@@ -251,9 +251,6 @@ def _check_zero(args: argparse.Namespace, dp: int, ep: int) -> None:
     if args.use_distributed_optimizer:
         raise ArgumentError(f"--piper-zero {zero} with --use-distributed-optimizer: Piper's ZeRO shards the "
                             f"optimizer state itself; drop --use-distributed-optimizer")
-    if ep > 1:
-        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
-                            f"Megatron runs without expert parallelism for now; drop one of them")
 
 
 def _check_uneven(args: argparse.Namespace, pp: int, vpp: int | None, first: int | None, last: int | None) -> None:

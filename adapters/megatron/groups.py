@@ -46,11 +46,6 @@ def data_parallel(zero: int | None, chunks: list[nn.Module], pg_collection) -> t
         raise ArgumentError(f"--piper-zero {zero}: the model chunks are in Megatron's DistributedDataParallel, whose "
                             f"gradient buffers would reduce them again; wrap each chunk in "
                             f"piper_plugin.adapters.megatron.ZeroChunk instead")
-    ep = (pg_collection.ep.size() if pg_collection is not None and hasattr(pg_collection, "ep")
-          else parallel_state.get_expert_model_parallel_world_size())
-    if ep > 1:
-        raise ArgumentError(f"--piper-zero {zero} with --expert-model-parallel-size {ep}: Piper's ZeRO under "
-                            f"Megatron runs without expert parallelism for now; drop one of them")
     group = (pg_collection.dp if pg_collection is not None and hasattr(pg_collection, "dp")
              else parallel_state.get_data_parallel_group())
     dp = dist.get_world_size(group)

@@ -155,8 +155,11 @@ class _Engine:
                         else parallel_state.get_context_parallel_world_size())
         self.stages = {stage_of(c, k, pp, pp_rank): c for k, c in enumerate(chunks)}
         num_stages = pp * len(chunks)
-        # every stage's parameters, from the rank that holds it: the same program on every rank
-        mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()]
+        # every stage's parameters, from the rank that holds it: the same program on every rank.
+        # Under Piper's ZeRO an expert rank's own experts (Megatron's allreduce=False) stay out of
+        # the plan's replicated buckets: ZeroChunk reduces them over the expert-data-parallel group
+        mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()
+                    if zero is None or getattr(p, "allreduce", True)]
                 for s, c in self.stages.items()}
         gathered: list[Any] = [None] * pp
         dist.all_gather_object(gathered, mine, group=pp_group)

@@ -23,6 +23,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -57,7 +58,16 @@ class ZeroChunk(nn.Module):
         pass
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        pass
+        """An expert rank's own experts (``allreduce=False``) are outside the plan's buckets:
+        their gradients, scaled as the plan scales every gradient, are summed here over the
+        expert-data-parallel group (Megatron's DDP does the same for them)."""
+        from megatron.core import parallel_state
+
+        experts = [p for p in self.module.parameters() if not getattr(p, "allreduce", True) and p.grad is not None]
+        group = parallel_state.get_expert_data_parallel_group()
+        if experts and dist.get_world_size(group) > 1:
+            for p in experts:
+                dist.all_reduce(p.grad, group=group)
 
     def zero_grad_buffer(self) -> None:
         pass  # the plan starts each step's shard gradients anew; the optimizer clears the faces'
