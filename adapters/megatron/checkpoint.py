@@ -126,9 +126,10 @@ def load_checkpoint(args: argparse.Namespace, chunks: list, optimizer, scheduler
             flag = "--" + name.replace("_", "-")
             raise ArgumentError(f"--load {args.load}: the checkpoint was saved with {flag} {saved.get(name)}, "
                                 f"this run has {getattr(args, name)}; use the same {flag}")
-    if "stages" in state and state["stages"] != _stages(chunks):
+    stages = _stages(chunks)
+    if "stages" in state and state["stages"] != stages:
         raise ArgumentError(f"--load {args.load}: this pipeline rank's chunks were saved as stages {state['stages']}, "
-                            f"but this run builds stages {_stages(chunks)} here (a recipe with another layout: "
+                            f"but this run builds stages {stages} here (a recipe with another layout: "
                             f"--piper-recipe {args.piper_recipe or 'left out'}); load with the recipe it was saved with")
     zero = getattr(args, "piper_zero", None)
     for key, chunk in zip(_model_keys(chunks), chunks):

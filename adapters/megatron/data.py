@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShippedTokenizer", "shipped_corpus", "train_dataset", "split_datasets", "PretrainingBatches", "ASSETS"]
+__all__ = ["ShippedTokenizer", "shipped_corpus", "train_dataset", "split_datasets", "PretrainingBatches",
+           "chunk_iterators", "ASSETS"]
 
 import piper_plugin as _piper
 
@@ -138,3 +139,13 @@ class PretrainingBatches:
         samples = [self.dataset[(start + j) % len(self.dataset)] for j in range(self.mbs)]
         self.consumed_samples += self.mbs * self.dp
         return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+
+
+def chunk_iterators(dataset, chunks: list, *, micro_batch_size: int, dp_size: int, dp_rank: int,
+                    consumed_samples: int):
+    """One global batch's data iterator as Megatron's schedules take it: one
+    :class:`PretrainingBatches` per model chunk (each chunk reads the same microbatches), the
+    list with a virtual pipeline, else the one iterator."""
+    iterators = [PretrainingBatches(dataset, micro_batch_size=micro_batch_size, dp_size=dp_size, dp_rank=dp_rank,
+                                    consumed_samples=consumed_samples) for _ in chunks]
+    return iterators if len(chunks) > 1 else iterators[0]

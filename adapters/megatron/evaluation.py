@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from piper_plugin.adapters.megatron.data import PretrainingBatches
+from piper_plugin.adapters.megatron.data import chunk_iterators
 
 __all__ = ["SplitEvaluation", "result_lines"]
 
@@ -38,12 +38,9 @@ class SplitEvaluation:
         try:
             with torch.no_grad():
                 for _ in range(args.eval_iters):
-                    iterators = [PretrainingBatches(self.dataset, micro_batch_size=args.micro_batch_size,
-                                                    dp_size=self.dp, dp_rank=self.dp_rank,
-                                                    consumed_samples=self.consumed) for _ in chunks]
-                    reports = forward_backward(forward_step_func=forward_step,
-                                               data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                                               model=chunks, num_microbatches=args.num_microbatches,
+                    data = chunk_iterators(self.dataset, chunks, micro_batch_size=args.micro_batch_size,
+                                           dp_size=self.dp, dp_rank=self.dp_rank, consumed_samples=self.consumed)
+                    reports = forward_backward(forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=args.num_microbatches,
                                                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                                forward_only=True)
                     self.consumed += args.global_batch_size

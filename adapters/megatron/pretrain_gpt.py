@@ -198,7 +198,7 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
 
     from piper_plugin.adapters.megatron import get_forward_backward_func as piper_forward_backward
     from piper_plugin.adapters.megatron.checkpoint import load_checkpoint, save_checkpoint
-    from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, split_datasets
+    from piper_plugin.adapters.megatron.data import ShippedTokenizer, chunk_iterators, shipped_corpus, split_datasets
     from piper_plugin.adapters.megatron.evaluation import SplitEvaluation, result_lines
 
     cpu = apply_cpu_fixes()
@@ -278,13 +278,13 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     interval_loss, interval_iters, interval_start = 0.0, 0, time.perf_counter()
     skipped = nans = 0
     while iteration < args.train_iters:
-        iterators = [PretrainingBatches(dataset, micro_batch_size=args.micro_batch_size, dp_size=dp,
-                                        dp_rank=dp_rank, consumed_samples=consumed) for _ in chunks]
+        data = chunk_iterators(dataset, chunks, micro_batch_size=args.micro_batch_size, dp_size=dp, dp_rank=dp_rank,
+                               consumed_samples=consumed)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reports = forward_backward(forward_step_func=forward_step,
-                                   data_iterator=iterators if len(chunks) > 1 else iterators[0], model=chunks,
+                                   data_iterator=data, model=chunks,
                                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                                    micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()

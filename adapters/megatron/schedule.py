@@ -46,7 +46,7 @@ from piper_plugin import (
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.errors import ArgumentError
 from piper_plugin.adapters.megatron.groups import data_parallel, hidden_shape, pipelines, plan_processes, tensor_parallel
-from piper_plugin.adapters.megatron.zero import LEVELS
+from piper_plugin.adapters.megatron.zero import LEVELS, own_expert
 from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
 )
@@ -159,7 +159,7 @@ class _Engine:
         # Under Piper's ZeRO an expert rank's own experts (Megatron's allreduce=False) stay out of
         # the plan's replicated buckets: ZeroChunk reduces them over the expert-data-parallel group
         mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()
-                    if zero is None or getattr(p, "allreduce", True)]
+                    if zero is None or not own_expert(p)]
                 for s, c in self.stages.items()}
         gathered: list[Any] = [None] * pp
         dist.all_gather_object(gathered, mine, group=pp_group)

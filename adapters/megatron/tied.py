@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin.adapters.megatron.errors import ArgumentError
+from piper_plugin.adapters.megatron.schedule import _unwrap
 
 __all__ = ["check_tied_layout", "tie_output_to_embedding", "tied_finalize"]
 
@@ -38,19 +39,18 @@ def check_tied_layout(recipe: str, placement: dict[int, int]) -> None:
                             f"DualPipeV's V): add --untie-embeddings-and-output-weights")
 
 
-def tie_output_to_embedding(models: list[nn.Module]) -> bool:
+def tie_output_to_embedding(models: list[nn.Module]) -> None:
     """Among this rank's stage models (GPTModels, before any wrapping): if it holds the first and
-    the last stage, set the output weight to the embedding's values, tag both as Megatron tags
-    its copies, and say True."""
+    the last stage, set the output weight to the embedding's values and tag both as Megatron tags
+    its copies."""
     copies = _copies(models)
     if copies is None:
-        return False
+        return
     embedding, output = copies
     with torch.no_grad():
         output.copy_(embedding)
     embedding.shared_embedding = True
     output.shared, output.shared_embedding = True, True
-    return True
 
 
 def tied_finalize() -> Callable[..., None]:
@@ -63,11 +63,15 @@ def tied_finalize() -> Callable[..., None]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     alone, _ = dist.new_subgroups(group_size=1)
+    mpu_groups = None  # Megatron's own groups so, made at the first call that passes none
 
     def finalize(model: list[nn.Module], num_tokens: torch.Tensor | None = None, pg_collection: Any = None,
                  force_all_reduce: bool | None = False) -> None:
-        finalize_model_grads(model, num_tokens, pg_collection=_without_embedding_groups(pg_collection, alone),
-                             force_all_reduce=force_all_reduce)
+        nonlocal mpu_groups
+        if pg_collection is None:
+            mpu_groups = mpu_groups or _without_embedding_groups(None, alone)
+        groups = mpu_groups if pg_collection is None else _without_embedding_groups(pg_collection, alone)
+        finalize_model_grads(model, num_tokens, pg_collection=groups, force_all_reduce=force_all_reduce)
         copies = _copies([_unwrap(chunk) for chunk in model])
         if copies is None:
             return
@@ -89,12 +93,6 @@ def _copies(models: list[nn.Module]) -> tuple[nn.Parameter, nn.Parameter] | None
         return None
     embedding, output = pre[0].embedding.word_embeddings.weight, post[0].output_layer.weight
     return None if output is embedding else (embedding, output)
-
-
-def _unwrap(chunk: nn.Module) -> nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _without_embedding_groups(pg_collection: Any, alone: dist.ProcessGroup) -> Any:

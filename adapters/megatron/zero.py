@@ -27,10 +27,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ZeroChunk", "LEVELS", "full_model_state", "load_full_model_state", "local_optimizer_state",
+__all__ = ["ZeroChunk", "LEVELS", "own_expert", "full_model_state", "load_full_model_state", "local_optimizer_state",
            "load_local_optimizer_state"]
 
 LEVELS = (1, 2, 3)
+
+
+def own_expert(param: nn.Parameter) -> bool:
+    """An expert rank's own expert parameter (Megatron tags it ``allreduce=False``): not
+    replicated over the data-parallel group, so outside the plan's ZeRO buckets."""
+    return not getattr(param, "allreduce", True)
 
 
 class ZeroChunk(nn.Module):
@@ -63,7 +69,7 @@ class ZeroChunk(nn.Module):
         expert-data-parallel group (Megatron's DDP does the same for them)."""
         from megatron.core import parallel_state
 
-        experts = [p for p in self.module.parameters() if not getattr(p, "allreduce", True) and p.grad is not None]
+        experts = [p for p in self.module.parameters() if own_expert(p) and p.grad is not None]
         group = parallel_state.get_expert_data_parallel_group()
         if experts and dist.get_world_size(group) > 1:
             for p in experts:
