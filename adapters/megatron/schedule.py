@@ -51,7 +51,8 @@ from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
 )
 
-__all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement"]
+__all__ = ["PiperForwardBackward", "ArgumentError", "DEFAULT_TIMEOUT_S", "stage_of", "stage_placement",
+           "unwrap_chunk"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -166,7 +167,7 @@ class _Engine:
         params = {s: v for part in gathered for s, v in part.items()}
         program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
                                 hidden_shape=shape, dtype=config.pipeline_dtype,
-                                model_type=type(_unwrap(chunks[0])).__name__,
+                                model_type=type(unwrap_chunk(chunks[0])).__name__,
                                 attention_heads=config.num_attention_heads // tensor_parallel(pg_collection),
                                 replicas=dp)
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
@@ -300,7 +301,7 @@ class _Engine:
 def stage_of(chunk: nn.Module, k: int, pp: int, pp_rank: int) -> int:
     """The pipeline stage of this rank's ``k``-th chunk: its ``piper_stage`` if it was built for
     a recipe's own layout, else Megatron's (``k * pp + pp_rank``)."""
-    for module in (chunk, _unwrap(chunk)):
+    for module in (chunk, unwrap_chunk(chunk)):
         if getattr(module, "piper_stage", None) is not None:
             return int(module.piper_stage)
     return k * pp + pp_rank
@@ -331,7 +332,8 @@ def stage_placement(recipe: str | None, *, pp: int, stages: int, microbatches: i
     return {int(r): rank for r, rank in plan.dag.meta.placement.items()}
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_chunk(module: nn.Module) -> nn.Module:
+    """The model inside a chunk's wrappers (Megatron's DDP, :class:`~.zero.ZeroChunk`)."""
     while hasattr(module, "module"):
         module = module.module
     return module

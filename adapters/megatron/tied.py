@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from piper_plugin.adapters.megatron.errors import ArgumentError
-from piper_plugin.adapters.megatron.schedule import _unwrap
+from piper_plugin.adapters.megatron.schedule import unwrap_chunk
 
 __all__ = ["check_tied_layout", "tie_output_to_embedding", "tied_finalize"]
 
@@ -72,7 +72,7 @@ def tied_finalize() -> Callable[..., None]:
             mpu_groups = mpu_groups or _without_embedding_groups(None, alone)
         groups = mpu_groups if pg_collection is None else _without_embedding_groups(pg_collection, alone)
         finalize_model_grads(model, num_tokens, pg_collection=groups, force_all_reduce=force_all_reduce)
-        copies = _copies([_unwrap(chunk) for chunk in model])
+        copies = _copies([unwrap_chunk(chunk) for chunk in model])
         if copies is None:
             return
         grads = [_local(_grad(p)) for p in copies]
