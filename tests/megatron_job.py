@@ -278,6 +278,10 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
             report["zero"] = {"rows": sum(p.to_local().numel() for c in chunks for p in c.module.parameters()),
                               "numel": sum(p.numel() for c in chunks for p in c.module.parameters()),
                               "whole_resident": any(b.materialized for b in buckets if b.zero == 3)}
+        split = []  # the backwards that ran as an input pass, the sends, then a weight pass
+        if engine != "megatron":
+            engine_, state = func._cached[1], func._cached[1].executor.state
+            split = sorted(k for k in state.input_grads_first if state.split_pays.get(engine_.plan.dag.nodes[k].region))
         batches = [_batch(10_000, dp_rank * m + i, scenario) for i in range(m)]  # held-out data
         with torch.no_grad():
             evaluated = func(forward_step_func=partial(_forward_step, scenario["loss_tuple"]),
@@ -286,7 +290,7 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                              seq_length=scenario["seq"], micro_batch_size=scenario["mbs"], forward_only=True)
         evaluation = [[{k: v.tolist() for k, v in r.items()} for r in evaluated]] if last else []
         report[engine] = {"losses": losses, "grads": grads, "params": params, "eval": evaluation,
-                          "grad_norms": norms}
+                          "grad_norms": norms, "split": split}
     report["dp"] = dp
     dist.destroy_process_group()
     return report

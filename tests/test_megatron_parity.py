@@ -78,6 +78,9 @@ def test_1f1b_equals_megatron_and_single_device_training():
     _assert_same_training(reports, "piper", reports, "megatron")
     assert _losses(reports, "piper") == _losses(reports, "megatron")  # same order of ops: bitwise
     _assert_same_training(reports, "piper", _reference(4), "megatron")
+    # the last stage's last backward sends its input gradient before its weight pass (its
+    # linear layers split: .linear); the first stage's has nobody to send to
+    assert [reports[r]["piper"]["split"] for r in sorted(reports)] == [[], ["1B3"]]
 
 
 @pytest.mark.slow

@@ -194,14 +194,17 @@ class MegatronProgram(Program):
 
 def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, microbatch_size: int,
                   microbatches: int, hidden_shape: tuple[int, ...], dtype: torch.dtype,
-                  model_type: str = "", attention_heads: int = 0, replicas: int = 1) -> MegatronProgram:
+                  model_type: str = "", attention_heads: int = 0, replicas: int = 1,
+                  backward_splits: dict[int, bool] | None = None) -> MegatronProgram:
     """The single-device DAG of the pipeline's stages, from every stage's parameters
     ``(name in its chunk, shape, bytes)`` (gathered from the ranks that hold them). Sizes are
     for the plan's batch, ``microbatch_size * microbatches * replicas`` sequences: ``replicas``
     is the data-parallel size when the plan itself spans it (Piper's ZeRO; its data axis splits
     the batch into shards of Megatron's per-replica batch), 1 when Megatron's DDP keeps data
     parallelism outside the plan. ``hidden_shape`` is one microbatch's hidden state between
-    stages (Megatron's ``[seq, batch, hidden]``)."""
+    stages (Megatron's ``[seq, batch, hidden]``). ``backward_splits``: per stage, whether its
+    backward splits without repeating work (:func:`.linear.stage_backward_splits`, read from the
+    chunk); a stage it leaves out splits only if it holds no linear layer."""
     num = len(params)
     if sorted(params) != list(range(num)):
         raise ValueError(f"stages {sorted(params)} are not 0..{num - 1}")
@@ -228,7 +231,7 @@ def build_program(params: dict[int, list[tuple[str, tuple[int, ...], int]]], *, 
                                                torch.finfo(dtype).bits // 8, last=s == num - 1),
             param_bytes=sum(b for _, _, b in params[s]),
             flops=6 * tokens * numel, matmul_flops=_matmul_flops(params[s], tokens, hidden_shape),
-            backward_splits=not _custom_linears(params[s]))
+            backward_splits=(backward_splits or {}).get(s, not _custom_linears(params[s])))
     return MegatronProgram.from_regions(
         regions, inputs=INPUTS, loss_value="loss", loss_region=str(num - 1),
         batch_size=samples, param_bytes=param_bytes, param_shapes=param_shapes,

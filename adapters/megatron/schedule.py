@@ -46,6 +46,7 @@ from piper_plugin import (
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.errors import ArgumentError
 from piper_plugin.adapters.megatron.groups import data_parallel, hidden_shape, pipelines, plan_processes, tensor_parallel
+from piper_plugin.adapters.megatron.linear import install_split_linears, stage_backward_splits
 from piper_plugin.adapters.megatron.zero import LEVELS, own_expert
 from piper_plugin.adapters.megatron.program import (
     DataFeed, LocalChunks, Microbatch, StageRun, build_program, hidden_name, set_aux_loss_scales,
@@ -162,14 +163,17 @@ class _Engine:
         mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()
                     if zero is None or not own_expert(p)]
                 for s, c in self.stages.items()}
+        for chunk in chunks:  # Megatron's linear layers with a backward that splits (.linear)
+            install_split_linears(chunk)
+        splits = {s: stage_backward_splits(c) for s, c in self.stages.items()}
         gathered: list[Any] = [None] * pp
-        dist.all_gather_object(gathered, mine, group=pp_group)
-        params = {s: v for part in gathered for s, v in part.items()}
+        dist.all_gather_object(gathered, (mine, splits), group=pp_group)
+        params = {s: v for part, _ in gathered for s, v in part.items()}
         program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
                                 hidden_shape=shape, dtype=config.pipeline_dtype,
                                 model_type=type(unwrap_chunk(chunks[0])).__name__,
                                 attention_heads=config.num_attention_heads // tensor_parallel(pg_collection),
-                                replicas=dp)
+                                replicas=dp, backward_splits={s: v for _, part in gathered for s, v in part.items()})
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
         try:
             loaded = recipes.load(name)

@@ -88,10 +88,13 @@ def weight_pass_repeats_work(outs: Sequence[torch.Tensor], inputs: Sequence[torc
     sits on the frontier (e.g. a linear layer written as one Function of input and weight). Its
     backward computes every gradient it returns in one call whatever BI asks for, and BW calls it
     again, so BI + BW costs about two full passes through it (built-in nodes compute only the
-    gradients their edges need)."""
+    gradients their edges need). A Function that computes only the gradients the running pass
+    executes (``torch._C._will_engine_execute_node`` on its edges) says so with a class attribute
+    ``backward_splits = True`` and does not count."""
     roots = [get_gradient_edge(t) for t in outs]
     frontier, _, _ = _frontier(roots, {id(t) for t in inputs})
-    return any(isinstance(node, BackwardCFunction) for node in frontier)
+    return any(isinstance(node, BackwardCFunction) and not getattr(node._forward_cls, "backward_splits", False)
+               for node in frontier)
 
 
 def _frontier(roots: list[GradientEdge], input_ids: set[int]) -> tuple[dict, dict, dict]:

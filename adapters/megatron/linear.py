@@ -1,0 +1,122 @@
+"""Megatron's linear layers with a backward that splits into input and weight passes.
+
+Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` run one autograd Function that
+computes the input gradient and the weight gradient in one call. Piper runs some backwards
+split (input gradients first, weight gradients later: :mod:`piper_plugin.autograd.split_backward`),
+and with that Function such a split runs the whole call twice, so the plans ran Megatron's
+stages unsplit. :class:`SplitLinear` is the same layer's arithmetic, whose backward computes
+only the gradients the running autograd pass will use: a full backward all of them, an
+input pass the input's, a weight pass the weight's and the bias'.
+
+Invariants:
+- :func:`install_split_linears` routes a layer's calls to :class:`SplitLinear` only where
+  Megatron's Function communicates nothing and accumulates nothing itself: no tensor-parallel
+  all-reduce of the input gradient, no sequence parallelism, no fused gradient accumulation, no
+  deferred weight-gradient buffer, a trainable weight. Every other call runs Megatron's own.
+- :class:`SplitLinear` computes Megatron's kernels on Megatron's tensors in Megatron's order
+  (forward ``input @ weight.T + bias``; backward ``grad @ weight``, then the weight gradient on
+  the 2-D views ``grad.T @ input`` and the bias gradient ``grad.sum(0)``): its results equal
+  Megatron's Function's bit for bit, split or not.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
+
+__all__ = ["SplitLinear", "install_split_linears", "stage_backward_splits"]
+
+_MARK = "_piper_split_linear"
+
+
+class SplitLinear(torch.autograd.Function):
+    """``input @ weight.T (+ bias)``; its backward returns only the gradients the autograd
+    engine will execute in the current pass (``backward_splits``: split_backward's mark for a
+    Function whose weight pass does not repeat its input pass)."""
+
+    backward_splits = True
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        # the autograd nodes the gradients go to: the backward asks the engine which will run
+        ctx.edges = tuple(get_gradient_edge(t).node if t is not None and t.requires_grad else None
+                          for t in (input, weight, bias))
+        output = torch.matmul(input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_output):
+        from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+        input, weight = ctx.saved_tensors
+        wanted = [node is not None and torch._C._will_engine_execute_node(node) for node in ctx.edges]
+        grad_input = grad_output.matmul(weight) if wanted[0] else None
+        grad_weight = grad_bias = None
+        if wanted[1] or (ctx.use_bias and wanted[2]):
+            grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+            if wanted[1]:
+                grad_weight = grad_2d.t().matmul(input_2d)
+            if ctx.use_bias and wanted[2]:
+                grad_bias = grad_2d.sum(dim=0)
+        return grad_input, grad_weight, grad_bias
+
+
+def _forward_impl(original, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                  sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, **rest):
+    """A layer's ``_forward_impl``: :class:`SplitLinear` where Megatron's Function would do plain
+    arithmetic (module doc), else Megatron's own."""
+    if (gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
+            or not weight.requires_grad or rest):
+        return original(input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                        allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                        grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
+                        tp_group=tp_group, **rest)
+    return SplitLinear.apply(input, weight, bias)
+
+
+def _linear_types() -> tuple[type, ...]:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
+def _splits(module: nn.Module) -> bool:
+    """Whether every call of this Megatron linear layer goes to :class:`SplitLinear` (the
+    conditions of :func:`_forward_impl`, read from the layer)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    tp_group = getattr(module, "tp_group", None)
+    tp = tp_group.size() if tp_group is not None else 1
+    return not (module.gradient_accumulation_fusion or module.sequence_parallel or tp > 1
+                or (isinstance(module, ColumnParallelLinear) and module.config.defer_embedding_wgrad_compute))
+
+
+def install_split_linears(chunk: nn.Module) -> None:
+    """Route ``chunk``'s Megatron linear layers through :class:`SplitLinear` (once per layer)."""
+    for module in chunk.modules():
+        if isinstance(module, _linear_types()) and not getattr(module, _MARK, False):
+            module._forward_impl = functools.partial(_forward_impl, module._forward_impl)
+            setattr(module, _MARK, True)
+
+
+def stage_backward_splits(chunk: nn.Module) -> bool:
+    """Whether ``chunk``'s backward splits without repeating work after
+    :func:`install_split_linears`: every module holding a matrix weight (other than an
+    embedding table, a lookup) is a linear layer whose every call goes to :class:`SplitLinear`."""
+    linears = _linear_types()
+    for module in chunk.modules():
+        holds_matrix = any(p.dim() == 2 for p in module.parameters(recurse=False))
+        if isinstance(module, linears):
+            if not (getattr(module, _MARK, False) and _splits(module)):
+                return False
+        elif holds_matrix and not isinstance(module, nn.Embedding) and "Embedding" not in type(module).__name__:
+            return False
+    return True
