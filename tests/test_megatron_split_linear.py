@@ -19,7 +19,7 @@ def _rank(rank: int, port: int, out) -> None:
     out.put((rank, report))
 
 
-def _block(moe: bool = False):
+def _block(moe: bool = False, recompute: bool = False):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -27,6 +27,8 @@ def _block(moe: bool = False):
 
     torch.manual_seed(0)
     extra = dict(num_moe_experts=4, moe_router_topk=2) if moe else {}
+    if recompute:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, use_cpu_initialization=True, add_bias_linear=True, **extra)
     spec = get_gpt_layer_local_spec(num_experts=4 if moe else None, moe_grouped_gemm=False)
@@ -70,6 +72,9 @@ def _checks(port: int) -> dict:
     moe = _block(moe=True)
     install_split_linears(moe)
     report["moe"] = stage_backward_splits(moe)  # its router's gate is a matrix outside a linear layer
+    recomputed = _block(recompute=True)
+    install_split_linears(recomputed)
+    report["recompute"] = stage_backward_splits(recomputed)
 
     torch.manual_seed(1)
     x = torch.randn(8, 2, 32)
@@ -117,7 +122,7 @@ def _checks(port: int) -> dict:
 def test_split_linears_equal_megatrons_and_split_without_repeating_work():
     report = run_ranks(_rank, 1)[0]
     assert "error" not in report, report["error"]
-    assert (report["before"], report["after"], report["moe"]) == (False, True, False)
+    assert (report["before"], report["after"], report["moe"], report["recompute"]) == (False, True, False, False)
     assert report["equal_full"], "Piper's linear forward/backward differs from Megatron's Function"
     assert report["equal_split"], "input pass + weight pass differ from one full backward"
     assert report["equal_megatron_split"]

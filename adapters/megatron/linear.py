@@ -110,13 +110,17 @@ def install_split_linears(chunk: nn.Module) -> None:
 def stage_backward_splits(chunk: nn.Module) -> bool:
     """Whether ``chunk``'s backward splits without repeating work after
     :func:`install_split_linears`: every module holding a matrix weight (other than an
-    embedding table, a lookup) is a linear layer whose every call goes to :class:`SplitLinear`."""
-    linears = _linear_types()
+    embedding table, a lookup) is a linear layer whose every call goes to :class:`SplitLinear`,
+    and no activation recomputation (its Function refuses an input-only pass)."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    linears, lookups = _linear_types(), (nn.Embedding, VocabParallelEmbedding)
     for module in chunk.modules():
-        holds_matrix = any(p.dim() == 2 for p in module.parameters(recurse=False))
+        if getattr(getattr(module, "config", None), "recompute_granularity", None):
+            return False  # Megatron's recomputation runs one full backward inside its Function
         if isinstance(module, linears):
             if not (getattr(module, _MARK, False) and _splits(module)):
                 return False
-        elif holds_matrix and not isinstance(module, nn.Embedding) and "Embedding" not in type(module).__name__:
+        elif any(p.dim() == 2 for p in module.parameters(recurse=False)) and not isinstance(module, lookups):
             return False
     return True
