@@ -262,8 +262,9 @@ def _activation_bytes(params: list[tuple[str, tuple[int, ...], int]], hidden_byt
 
 def _custom_linears(params: list[tuple[str, tuple[int, ...], int]]) -> bool:
     """Whether a stage holds Megatron's linear layers (any 2-D weight outside the embeddings):
-    custom autograd Functions that compute the input and the weight gradient in one call, so the
-    stage's backward does not split (``Region.backward_splits``; the plan runs a BI of it whole)."""
+    custom autograd Functions that compute the input and the weight gradient in one call, so
+    without the chunk to read (:func:`.linear.stage_backward_splits`) the stage's backward is
+    taken not to split (``Region.backward_splits``; the plan runs a BI of it whole)."""
     return any(len(shape) == 2 and "embedding" not in name for name, shape, _ in params)
 
 
