@@ -150,6 +150,10 @@ def test_four_stages_and_zero_bubble_recipes():
     reports = _reports(4, pp=4, engines=("megatron", "piper", "piper:zb-h1", "piper:gpipe"), steps=2)
     for engine in ("piper", "piper:zb-h1", "piper:gpipe"):
         _assert_same_training(reports, engine, reports, "megatron")
+    # ZB-H1's weight passes run apart from their input passes (Megatron's linears split: .linear):
+    # rank r holds back its first r of them, so every rank but the first runs split backwards
+    held_back = [len(reports[r]["piper:zb-h1"]["split"]) for r in sorted(reports)]
+    assert held_back[0] == 0 and all(n > 0 for n in held_back[1:]), held_back
 
 
 @pytest.mark.slow
