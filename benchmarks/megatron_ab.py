@@ -65,7 +65,7 @@ def _alternating(rank: int, world: int, *, argvs: dict[str, list[str]], warmup: 
     from megatron.core.tensor_parallel import random as mrandom
 
     from piper_plugin.adapters.megatron import (
-        PretrainingBatches, ShippedTokenizer, apply_cpu_fixes, build_model, forward_step, get_forward_backward_func,
+        ShippedTokenizer, apply_cpu_fixes, chunk_iterators, build_model, forward_step, get_forward_backward_func,
         parse_args, shipped_corpus, stage_placement, train_dataset,
     )
 
@@ -93,14 +93,14 @@ def _alternating(rank: int, world: int, *, argvs: dict[str, list[str]], warmup: 
     order = [e for i in range(warmup + steps) for e in (("megatron", "piper") if i % 2 == 0 else ("piper", "megatron"))]
     for engine in order:
         chunks, optimizer, func, args = models[engine]
-        iterators = [PretrainingBatches(dataset, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0,
-                                        consumed_samples=consumed[engine]) for _ in chunks]
+        data = chunk_iterators(dataset, chunks, micro_batch_size=args.micro_batch_size, dp_size=1, dp_rank=0,
+                               consumed_samples=consumed[engine])
         dist.barrier()
         start = time.perf_counter()
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reports = func(forward_step_func=forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        reports = func(forward_step_func=forward_step, data_iterator=data,
                        model=chunks, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                        micro_batch_size=args.micro_batch_size, forward_only=False)
         optimizer.step()

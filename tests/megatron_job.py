@@ -280,11 +280,10 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                               "whole_resident": any(b.materialized for b in buckets if b.zero == 3)}
         split = []  # the backwards that ran as an input pass, the sends, then a weight pass; the BIs that left their BW
         if engine != "megatron":
-            nodes, state = func._cached[1].plan.dag.nodes, func._cached[1].executor.state
-            split = sorted(k for k in state.input_grads_first if state.split_pays.get(nodes[k].region))
-            split += sorted(k for keys in func._cached[1].plan.ranks[state.rank].streams.values() for k in keys
-                            if nodes[k].kind.value == "BI" and k not in state.fused_backward
-                            and state.split_pays.get(nodes[k].region))
+            plan, state = func._cached[1].plan, func._cached[1].executor.state
+            pays = {k for k in plan.ranks[state.rank].tasks() if state.split_pays.get(plan.dag.nodes[k].region)}
+            split = sorted(pays & state.input_grads_first)
+            split += sorted(k for k in pays if plan.dag.nodes[k].kind.value == "BI" and k not in state.fused_backward)
         batches = [_batch(10_000, dp_rank * m + i, scenario) for i in range(m)]  # held-out data
         with torch.no_grad():
             evaluated = func(forward_step_func=partial(_forward_step, scenario["loss_tuple"]),

@@ -17,7 +17,9 @@ from typing import Any, Callable
 
 from piper_plugin.adapters.megatron.arguments import parse_args
 from piper_plugin.adapters.megatron.cpu import apply_cpu_fixes, on_cpu
-from piper_plugin.adapters.megatron.data import PretrainingBatches, ShippedTokenizer, shipped_corpus, train_dataset
+from piper_plugin.adapters.megatron.data import (
+    PretrainingBatches, ShippedTokenizer, chunk_iterators, shipped_corpus, train_dataset,
+)
 from piper_plugin.adapters.megatron.pretrain_gpt import build_model, forward_step, pretrain
 from piper_plugin.adapters.megatron.schedule import (
     DEFAULT_TIMEOUT_S, ArgumentError, PiperForwardBackward, stage_placement,
@@ -27,7 +29,7 @@ from piper_plugin.adapters.megatron.zero import ZeroChunk
 # the adapter's face: the drop-in, and the entry's parts (for benchmarks and users' own loops)
 __all__ = ["get_forward_backward_func", "install", "uninstall", "ArgumentError", "PiperForwardBackward",
            "ZeroChunk", "apply_cpu_fixes", "on_cpu", "stage_placement", "parse_args", "build_model", "forward_step", "pretrain",
-           "ShippedTokenizer", "shipped_corpus", "train_dataset", "PretrainingBatches"]
+           "ShippedTokenizer", "shipped_corpus", "train_dataset", "PretrainingBatches", "chunk_iterators"]
 
 _installed: dict[str, Any] = {}
 

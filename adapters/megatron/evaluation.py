@@ -40,9 +40,9 @@ class SplitEvaluation:
                 for _ in range(args.eval_iters):
                     data = chunk_iterators(self.dataset, chunks, micro_batch_size=args.micro_batch_size,
                                            dp_size=self.dp, dp_rank=self.dp_rank, consumed_samples=self.consumed)
-                    reports = forward_backward(forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=args.num_microbatches,
-                                               seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                                               forward_only=True)
+                    reports = forward_backward(forward_step_func=forward_step, data_iterator=data, model=chunks,
+                                               num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                                               micro_batch_size=args.micro_batch_size, forward_only=True)
                     self.consumed += args.global_batch_size
                     for report in reports:
                         for key, value in report.items():

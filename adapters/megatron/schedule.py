@@ -159,21 +159,21 @@ class _Engine:
         num_stages = pp * len(chunks)
         # every stage's parameters, from the rank that holds it: the same program on every rank.
         # Under Piper's ZeRO an expert rank's own experts (Megatron's allreduce=False) stay out of
-        # the plan's replicated buckets: ZeroChunk reduces them over the expert-data-parallel group
-        mine = {s: [(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()
-                    if zero is None or not own_expert(p)]
-                for s, c in self.stages.items()}
-        for chunk in chunks:  # Megatron's linear layers with a backward that splits (.linear)
+        # the plan's replicated buckets: ZeroChunk reduces them over the expert-data-parallel group.
+        # With them, whether its backward splits once its linear layers run through .linear
+        for chunk in chunks:
             install_split_linears(chunk)
-        splits = {s: stage_backward_splits(c) for s, c in self.stages.items()}
+        mine = {s: ([(n, tuple(p.shape), p.numel() * p.element_size()) for n, p in c.named_parameters()
+                     if zero is None or not own_expert(p)], stage_backward_splits(c))
+                for s, c in self.stages.items()}
         gathered: list[Any] = [None] * pp
-        dist.all_gather_object(gathered, (mine, splits), group=pp_group)
-        params = {s: v for part, _ in gathered for s, v in part.items()}
-        program = build_program(params, microbatch_size=micro_batch_size, microbatches=microbatches,
-                                hidden_shape=shape, dtype=config.pipeline_dtype,
+        dist.all_gather_object(gathered, mine, group=pp_group)
+        stages = {s: v for part in gathered for s, v in part.items()}
+        program = build_program({s: params for s, (params, _) in stages.items()}, microbatch_size=micro_batch_size,
+                                microbatches=microbatches, hidden_shape=shape, dtype=config.pipeline_dtype,
                                 model_type=type(unwrap_chunk(chunks[0])).__name__,
                                 attention_heads=config.num_attention_heads // tensor_parallel(pg_collection),
-                                replicas=dp, backward_splits={s: v for _, part in gathered for s, v in part.items()})
+                                replicas=dp, backward_splits={s: splits for s, (_, splits) in stages.items()})
         name = recipe or ("1f1b" if len(chunks) == 1 else "interleaved-1f1b")
         try:
             loaded = recipes.load(name)

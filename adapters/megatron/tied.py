@@ -68,9 +68,10 @@ def tied_finalize() -> Callable[..., None]:
     def finalize(model: list[nn.Module], num_tokens: torch.Tensor | None = None, pg_collection: Any = None,
                  force_all_reduce: bool | None = False) -> None:
         nonlocal mpu_groups
-        if pg_collection is None:
-            mpu_groups = mpu_groups or _without_embedding_groups(None, alone)
-        groups = mpu_groups if pg_collection is None else _without_embedding_groups(pg_collection, alone)
+        if pg_collection is not None:
+            groups = _without_embedding_groups(pg_collection, alone)
+        else:
+            groups = mpu_groups = mpu_groups or _without_embedding_groups(None, alone)
         finalize_model_grads(model, num_tokens, pg_collection=groups, force_all_reduce=force_all_reduce)
         copies = _copies([unwrap_chunk(chunk) for chunk in model])
         if copies is None:

@@ -69,11 +69,13 @@ class ZeroChunk(nn.Module):
         expert-data-parallel group (Megatron's DDP does the same for them)."""
         from megatron.core import parallel_state
 
-        experts = [p for p in self.module.parameters() if own_expert(p) and p.grad is not None]
+        grads = [p.grad for p in self.module.parameters() if own_expert(p) and p.grad is not None]
         group = parallel_state.get_expert_data_parallel_group()
-        if experts and dist.get_world_size(group) > 1:
-            for p in experts:
-                dist.all_reduce(p.grad, group=group)
+        if grads and dist.get_world_size(group) > 1:  # one collective for them all
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(summed.view_as(g))
 
     def zero_grad_buffer(self) -> None:
         pass  # the plan starts each step's shard gradients anew; the optimizer clears the faces'
