@@ -6,7 +6,9 @@ split (input gradients first, weight gradients later: :mod:`piper_plugin.autogra
 and with that Function such a split runs the whole call twice, so the plans ran Megatron's
 stages unsplit. :class:`SplitLinear` is the same layer's arithmetic, whose backward computes
 only the gradients the running autograd pass will use: a full backward all of them, an
-input pass the input's, a weight pass the weight's and the bias'.
+input pass the input's, a weight pass the weight's and the bias'. In a split's input pass it
+hands the weight and bias gradients' work to the pass (``defers_weight_grads``,
+:mod:`piper_plugin.autograd.deferred_weights`), so the weight pass runs just those kernels.
 
 Invariants:
 - :func:`install_split_linears` routes a layer's calls to :class:`SplitLinear` only where
@@ -24,7 +26,9 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from piper_plugin.autograd import deferred_weight_grads, will_execute
 
 __all__ = ["SplitLinear", "install_split_linears", "stage_backward_splits"]
 
@@ -34,9 +38,11 @@ _MARK = "_piper_split_linear"
 class SplitLinear(torch.autograd.Function):
     """``input @ weight.T (+ bias)``; its backward returns only the gradients the autograd
     engine will execute in the current pass (``backward_splits``: split_backward's mark for a
-    Function whose weight pass does not repeat its input pass)."""
+    Function whose weight pass does not repeat its input pass), and in a split's input pass
+    that cleared this node it defers the weight and bias gradients to the weight pass."""
 
     backward_splits = True
+    defers_weight_grads = True
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
@@ -54,19 +60,29 @@ class SplitLinear(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_output):
-        from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
-
         input, weight = ctx.saved_tensors
-        wanted = [node is not None and torch._C._will_engine_execute_node(node) for node in ctx.edges]
+        wanted = [node is not None and will_execute(node) for node in ctx.edges]
         grad_input = grad_output.matmul(weight) if wanted[0] else None
-        grad_weight = grad_bias = None
-        if wanted[1] or (ctx.use_bias and wanted[2]):
-            grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
-            if wanted[1]:
-                grad_weight = grad_2d.t().matmul(input_2d)
-            if ctx.use_bias and wanted[2]:
-                grad_bias = grad_2d.sum(dim=0)
-        return grad_input, grad_weight, grad_bias
+        store = deferred_weight_grads(ctx)
+        if store is not None and not (wanted[1] or wanted[2]):  # a split's input pass: BW computes them
+            kept = [i for i in (1, 2) if ctx.edges[i] is not None]
+            store.defer([GradientEdge(*ctx.next_functions[i]) for i in kept],
+                        lambda: [g for i, g in zip((1, 2), _weight_grads(grad_output, input, 1 in kept, 2 in kept))
+                                 if i in kept],
+                        holds=[grad_output])
+            return grad_input, None, None
+        return (grad_input, *_weight_grads(grad_output, input, wanted[1], ctx.use_bias and wanted[2]))
+
+
+def _weight_grads(grad_output, input, weight: bool, bias: bool) -> tuple:
+    """The weight and the bias gradient, each if asked for (else None): Megatron's kernels on
+    its 2-D views (``grad.T @ input``, then ``grad.sum(0)``)."""
+    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+    if not (weight or bias):
+        return None, None
+    grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, input)
+    return grad_2d.t().matmul(input_2d) if weight else None, grad_2d.sum(dim=0) if bias else None
 
 
 def _forward_impl(original, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,

@@ -14,6 +14,13 @@ frontier node's edge, or never touches the input side (outputs whose graph reach
 start a backward of their own). Frontier nodes sharing a weight run in one backward in which
 each one's incoming gradient is pinned to its recorded value, so a path recomputed through
 another frontier node of the group is not counted twice.
+
+Two kinds of group skip that replay (one autograd call per group, each walking the graph again):
+groups whose weights are all vectors (norm scales, biases: an elementwise pass's cost) get their
+gradients in BI's own call, returned rather than accumulated; groups made only of custom
+Functions marked ``defers_weight_grads`` hand their work to BI's store
+(:mod:`.deferred_weights`). BW accumulates both in one autograd call, so no weight sees a
+gradient before BW.
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from typing import Sequence
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from piper_plugin.autograd.deferred_weights import DeferredWeightGrads, opened
 
 __all__ = ["backward_input", "PendingWeightGrads", "weight_pass_repeats_work"]
 
@@ -42,14 +51,17 @@ class PendingWeightGrads:
 
     def __init__(self, outs: list[torch.Tensor], grads: list[torch.Tensor], groups: list[_Group],
                  recorded: dict, root_edges: list[GradientEdge], root_grads: list[torch.Tensor],
-                 root_weights: list[torch.Tensor]):
+                 root_weights: list[torch.Tensor], deferred: DeferredWeightGrads | None = None,
+                 early: tuple[list[torch.Tensor], list[torch.Tensor | None]] = ([], [])):
         self.outs, self.grads = outs, grads
         self._groups, self._recorded = groups, recorded
         self._roots = (root_edges, root_grads, root_weights)
+        self._deferred, self._early = deferred, early  # the store; (vector weights, BI's gradients)
         # what BI made and leaves alive for BW, beyond the chunk's saved activations and output
         # gradients: the recorded gradients, each storage once
-        storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes()
-                    for grads in recorded.values() for g in grads if g is not None}
+        kept = [g for grads in recorded.values() for g in grads if g is not None]
+        kept += [g for g in early[1] if g is not None] + (list(deferred.held()) if deferred else [])
+        storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in kept}
         for g in grads:
             storages.pop(g.untyped_storage()._cdata, None)
         self.recorded_bytes = sum(storages.values())
@@ -72,11 +84,19 @@ class PendingWeightGrads:
             finally:
                 for handle in pins:
                     handle.remove()
+        edges, grads = self._deferred.compute() if self._deferred is not None else ([], [])
+        for w, g in zip(*self._early):
+            if g is not None:
+                edges.append(get_gradient_edge(w))
+                grads.append(g)
+        if edges:  # each edge leads to weights alone: one call accumulates them all
+            torch.autograd.backward(edges, grads, retain_graph=True)
         edges, grads, weights = self._roots
         if edges:
             torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
         self.outs = self.grads = []
         self._groups, self._recorded, self._roots = [], {}, ([], [], [])
+        self._deferred, self._early = None, ([], [])
 
 
 def _pin(recorded: tuple):
@@ -129,17 +149,32 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             root_grads.append(g)
             root_weights |= weights_below[edge.node]
 
+    replayed, cleared, early = [], set(), []
+    for group in groups:
+        if all(_defers(node) for node in group.nodes):
+            cleared.update(group.nodes)
+        elif all(w.dim() <= 1 for w in group.weights):
+            early += group.weights
+        else:
+            replayed.append(group)
+    store = DeferredWeightGrads(cleared)
     recorded: dict = {}
-    handles = [node.register_prehook(_record(recorded, node)) for node in frontier]
+    handles = [node.register_prehook(_record(recorded, node)) for group in replayed for node in group.nodes]
     try:
-        got = (torch.autograd.grad(outs, list(inputs), grads, retain_graph=True, allow_unused=True)
-               if outs and inputs else [None] * len(inputs))
+        with opened(store):
+            got = (torch.autograd.grad(outs, [*inputs, *early], grads, retain_graph=True, allow_unused=True)
+                   if outs and inputs else [None] * (len(inputs) + len(early)))
     finally:
         for handle in handles:
             handle.remove()
-    pending = PendingWeightGrads(outs, grads, groups, recorded, root_edges, root_grads,
-                                 [weights[i] for i in sorted(root_weights)])
-    return list(got), pending
+    pending = PendingWeightGrads(outs, grads, replayed, recorded, root_edges, root_grads,
+                                 [weights[i] for i in sorted(root_weights)], store, (early, list(got[len(inputs):])))
+    return list(got[:len(inputs)]), pending
+
+
+def _defers(node) -> bool:
+    """A custom Function's node whose class hands its weight work to BI's store."""
+    return isinstance(node, BackwardCFunction) and getattr(node._forward_cls, "defers_weight_grads", False)
 
 
 def _record(recorded: dict, node):

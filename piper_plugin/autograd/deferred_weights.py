@@ -1,0 +1,88 @@
+"""Weight gradients a layer hands from the input pass (BI) to the weight pass (BW).
+
+A split backward (:mod:`.split_backward`) ordinarily replays each frontier node in BW, one
+autograd call per group of nodes sharing a weight: exact, but each call walks the graph again.
+A custom autograd Function whose class says ``defers_weight_grads = True`` can do better: while
+BI runs, :func:`deferred_weight_grads` gives it the pass's store (only for nodes the split has
+cleared: every weight below the node is reached through such nodes alone), and the Function
+hands over what the weight gradients need instead of computing them; BW computes them and
+accumulates every deferred gradient in one autograd call.
+
+Invariants: a deferred gradient is computed by the Function's own code on the tensors its
+backward saw, so it equals what the Function computes in one full backward; it enters autograd
+at the node's own weight edges (hooks on the weights' accumulators see it as in a full
+backward); the store is the running thread's, open only inside BI.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+__all__ = ["DeferredWeightGrads", "deferred_weight_grads", "will_execute"]
+
+_open = threading.local()
+
+
+class DeferredWeightGrads:
+    """What BI's cleared Functions handed over: per node, its weight edges and the work."""
+
+    def __init__(self, nodes: set) -> None:
+        self.nodes = nodes  # the frontier nodes cleared to defer
+        self._work: list[tuple[list[GradientEdge], Callable[[], Sequence[torch.Tensor | None]]]] = []
+        self._held: list[torch.Tensor] = []
+
+    def defer(self, edges: Sequence[GradientEdge], compute: Callable[[], Sequence[torch.Tensor | None]],
+              holds: Sequence[torch.Tensor] = ()) -> None:
+        """``compute()`` returns one gradient (or None) per edge of ``edges`` (the node's own
+        weight edges); ``holds``: tensors made in BI that it keeps alive until BW (counted)."""
+        self._work.append((list(edges), compute))
+        self._held.extend(holds)
+
+    def held(self) -> Iterator[torch.Tensor]:
+        return iter(self._held)
+
+    def compute(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Every deferred gradient, in the order BI handed them over; the store is emptied."""
+        edges, grads = [], []
+        for node_edges, work in self._work:
+            for edge, g in zip(node_edges, work()):
+                if g is not None:
+                    edges.append(edge)
+                    grads.append(g)
+        self._work, self._held = [], []
+        return edges, grads
+
+
+def deferred_weight_grads(ctx) -> DeferredWeightGrads | None:
+    """Inside a custom Function's backward: the running BI's store if this node (``ctx``) is
+    cleared to defer its weight gradients, else None (compute them as usual)."""
+    store = getattr(_open, "store", None)
+    return store if store is not None and ctx in store.nodes else None
+
+
+def will_execute(node) -> bool:
+    """Inside a backward: whether the running autograd pass executes ``node`` (one of the
+    Function's input edges' nodes), so that a Function computes only the gradients the pass
+    uses. A leaf that ``autograd.grad`` captures (an input fed straight into the Function) is
+    executed, though torch's query refuses to answer for such leaves."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+
+
+class opened:
+    """``with opened(store):`` BI's autograd call, on this thread."""
+
+    def __init__(self, store: DeferredWeightGrads) -> None:
+        self.store = store
+
+    def __enter__(self) -> DeferredWeightGrads:
+        self.previous, _open.store = getattr(_open, "store", None), self.store
+        return self.store
+
+    def __exit__(self, *exc) -> None:
+        _open.store = self.previous

@@ -1,0 +1,98 @@
+"""A split backward's cheap weight pass: custom Functions that defer their weight gradients from
+BI to BW, and vector weights (norm scales, biases) whose gradients BI computes and BW
+accumulates. Either way: one full backward's gradients, no weight touched before BW, each
+accumulator's hook run once, in BW."""
+import torch
+import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from piper_plugin.autograd import backward_input, deferred_weight_grads, will_execute
+
+
+class _DeferringLinear(torch.autograd.Function):
+    """``x @ W.T + b``; computes only the gradients the running pass executes and, in a split's
+    input pass that cleared it, defers W's and b's."""
+
+    backward_splits = True
+    defers_weight_grads = True
+    backwards = computes = 0
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.edges = tuple(get_gradient_edge(t).node if t.requires_grad else None for t in (x, weight, bias))
+        return x @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        _DeferringLinear.backwards += 1
+        wanted = [n is not None and will_execute(n) for n in ctx.edges]
+
+        def weight_grads():
+            _DeferringLinear.computes += 1
+            rows = g.flatten(0, -2)
+            return rows.T @ x.flatten(0, -2), rows.sum(0)
+
+        grad_x = g @ weight if wanted[0] else None
+        store = deferred_weight_grads(ctx)
+        if store is not None and not (wanted[1] or wanted[2]):
+            store.defer([GradientEdge(*ctx.next_functions[i]) for i in (1, 2)], weight_grads, holds=[g])
+            return grad_x, None, None
+        gw, gb = weight_grads() if wanted[1] or wanted[2] else (None, None)
+        return grad_x, gw if wanted[1] else None, gb if wanted[2] else None
+
+
+def _layers():
+    torch.manual_seed(0)
+    first, second, norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)
+    return first, second, norm
+
+
+def _forward(first, second, norm, x, shared: bool = False):
+    h = _DeferringLinear.apply(x, first.weight, first.bias)
+    h = norm(h).relu()
+    if shared:  # the first layer's weight read again outside the Function: that group replays
+        h = h + (h @ first.weight).sin()
+    return _DeferringLinear.apply(h, second.weight, second.bias).tanh()
+
+
+def _full_then_split(shared: bool):
+    layers = _layers()
+    weights = [p for m in layers for p in m.parameters()]
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    out = _forward(*layers, x, shared)
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad([out], [x, *weights], [grad])
+    hooked: list[int] = []
+    for i, w in enumerate(weights):
+        w.register_post_accumulate_grad_hook(lambda _, i=i: hooked.append(i))
+    out = _forward(*layers, x, shared)
+    _DeferringLinear.backwards = _DeferringLinear.computes = 0
+    got, pending = backward_input([out], [grad], [x])
+    after_bi = (_DeferringLinear.backwards, _DeferringLinear.computes, list(hooked),
+                [w.grad is None for w in weights], pending.recorded_bytes)
+    pending.run()
+    torch.testing.assert_close(got[0], expected[0])
+    for w, e in zip(weights, expected[1:]):
+        torch.testing.assert_close(w.grad, e, rtol=1e-6, atol=1e-7)
+    return after_bi, (_DeferringLinear.backwards, _DeferringLinear.computes), sorted(hooked), len(weights)
+
+
+def test_deferring_functions_run_once_and_bw_computes_their_weight_gradients():
+    (backwards, computes, hooked, untouched, kept), after_bw, hooked_bw, n = _full_then_split(shared=False)
+    assert (backwards, computes) == (2, 0), "BI ran each Function once and deferred its weight work"
+    assert hooked == [] and all(untouched), "no weight saw a gradient in BI"
+    assert after_bw == (2, 2), "BW computed the deferred work without running the Functions again"
+    assert hooked_bw == list(range(n)), "each accumulator's hook ran once, in BW"
+    # kept for BW: the two Functions' incoming gradients (2x5x8) and the norm's two vector grads
+    assert kept == 4 * (2 * 2 * 5 * 8 + 2 * 8)
+
+
+def test_a_function_whose_weight_is_read_elsewhere_is_replayed_not_deferred():
+    (backwards, computes, hooked, untouched, _), after_bw, hooked_bw, n = _full_then_split(shared=True)
+    assert (backwards, computes) == (2, 0) and hooked == [] and all(untouched)
+    # the second Function defers; the first shares its weight with a plain matmul: BW replays it
+    # (its backward runs again, for the weight alone)
+    assert after_bw == (3, 2)
+    assert hooked_bw == list(range(n))
