@@ -4,7 +4,7 @@ accumulates. Either way: one full backward's gradients, no weight touched before
 accumulator's hook run once, in BW."""
 import torch
 import torch.nn as nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from piper_plugin.autograd import backward_input, deferred_weight_grads, will_execute
 
@@ -20,14 +20,13 @@ class _DeferringLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.edges = tuple(get_gradient_edge(t).node if t.requires_grad else None for t in (x, weight, bias))
         return x @ weight.T + bias
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         _DeferringLinear.backwards += 1
-        wanted = [n is not None and will_execute(n) for n in ctx.edges]
+        wanted = [n is not None and will_execute(n) for n, _ in ctx.next_functions]
 
         def weight_grads():
             _DeferringLinear.computes += 1

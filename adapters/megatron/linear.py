@@ -26,7 +26,7 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from piper_plugin.autograd import deferred_weight_grads, will_execute
 
@@ -49,9 +49,6 @@ class SplitLinear(torch.autograd.Function):
     def forward(ctx, input, weight, bias):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
-        # the autograd nodes the gradients go to: the backward asks the engine which will run
-        ctx.edges = tuple(get_gradient_edge(t).node if t is not None and t.requires_grad else None
-                          for t in (input, weight, bias))
         output = torch.matmul(input, weight.t())
         if bias is not None:
             output = output + bias
@@ -61,11 +58,14 @@ class SplitLinear(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        wanted = [node is not None and will_execute(node) for node in ctx.edges]
+        # the nodes the gradients go to (None: no gradient; no entry for a bias of None); the
+        # engine says which will run
+        nodes = [node for node, _ in ctx.next_functions] + [None] * (3 - len(ctx.next_functions))
+        wanted = [node is not None and will_execute(node) for node in nodes]
         grad_input = grad_output.matmul(weight) if wanted[0] else None
         store = deferred_weight_grads(ctx)
         if store is not None and not (wanted[1] or wanted[2]):  # a split's input pass: BW computes them
-            kept = [i for i in (1, 2) if ctx.edges[i] is not None]
+            kept = [i for i in (1, 2) if nodes[i] is not None]
             store.defer([GradientEdge(*ctx.next_functions[i]) for i in kept],
                         lambda: [g for i, g in zip((1, 2), _weight_grads(grad_output, input, 1 in kept, 2 in kept))
                                  if i in kept],
