@@ -116,9 +116,16 @@ def _batch(step: int, index: int, scenario: dict) -> dict:
             "attention_mask": torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)}
 
 
+CPU_MODES: set[int] = set()  # how many CPU-layer modes each forward step ran under
+
+
 def _forward_step(loss_tuple: int, data_iterator, model):
     import torch
+    from torch.overrides import _get_current_function_mode_stack
 
+    from piper_plugin.adapters.megatron.cpu import CudaOnCpu
+
+    CPU_MODES.add(sum(isinstance(m, CudaOnCpu) for m in _get_current_function_mode_stack()))
     data = next(data_iterator)
     output = model(data["tokens"], data["position_ids"], data["attention_mask"], labels=data["labels"])
 
@@ -292,7 +299,8 @@ def _train(rank: int, port: int, scenario: dict) -> dict:
                              seq_length=scenario["seq"], micro_batch_size=scenario["mbs"], forward_only=True)
         evaluation = [[{k: v.tolist() for k, v in r.items()} for r in evaluated]] if last else []
         report[engine] = {"losses": losses, "grads": grads, "params": params, "eval": evaluation,
-                          "grad_norms": norms, "split": split}
+                          "grad_norms": norms, "split": split, "cpu_modes": sorted(CPU_MODES)}
+        CPU_MODES.clear()
     report["dp"] = dp
     dist.destroy_process_group()
     return report

@@ -81,6 +81,10 @@ def test_1f1b_equals_megatron_and_single_device_training():
     # the last stage's last backward sends its input gradient before its weight pass (its
     # linear layers split: .linear); the first stage's has nobody to send to
     assert [reports[r]["piper"]["split"] for r in sorted(reports)] == [[], ["1B3"]]
+    # every forward step ran under one CPU-layer mode, as under Megatron's engine (two would run
+    # each torch call through it twice)
+    assert {e: [reports[r][e]["cpu_modes"] for r in sorted(reports)] for e in ("piper", "megatron")} == \
+        {"piper": [[1], [1]], "megatron": [[1], [1]]}
 
 
 @pytest.mark.slow

@@ -118,10 +118,19 @@ class _Event:
 
 def cpu_context() -> Callable[[], ContextManager]:
     """A factory of contexts that run Megatron code on the CPU on the current thread
-    (a no-op context with a GPU)."""
+    (a no-op context with a GPU, or on a thread where the mode is already active: two would
+    run every torch call through the mode twice)."""
     if not on_cpu():
         return contextlib.nullcontext
-    return CudaOnCpu
+    return _mode_on_this_thread
+
+
+def _mode_on_this_thread() -> ContextManager:
+    from torch.overrides import _get_current_function_mode_stack
+
+    if any(isinstance(mode, CudaOnCpu) for mode in _get_current_function_mode_stack()):
+        return contextlib.nullcontext()
+    return CudaOnCpu()
 
 
 def apply_cpu_fixes() -> bool:
