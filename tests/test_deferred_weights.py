@@ -95,3 +95,19 @@ def test_a_function_whose_weight_is_read_elsewhere_is_replayed_not_deferred():
     # (its backward runs again, for the weight alone)
     assert after_bw == (3, 2)
     assert hooked_bw == list(range(n))
+
+
+def test_a_vector_weight_also_below_an_output_that_reaches_no_input_is_counted_once():
+    """BI's call reaches a vector weight from every output; one that also hangs below an output
+    whose graph reaches no input (run on its own in BW) is left to BW, or it counts twice."""
+    torch.manual_seed(0)
+    b = torch.randn(4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    outs = lambda: [(x * b).sin(), b.exp() * 2]  # noqa: E731
+    grads = [torch.randn(3, 4), torch.randn(4)]
+    expected = torch.autograd.grad(outs(), [x, b], grads)
+    got, pending = backward_input(outs(), grads, [x])
+    assert b.grad is None
+    pending.run()
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(b.grad, expected[1])

@@ -17,7 +17,8 @@ another frontier node of the group is not counted twice.
 
 Two kinds of group skip that replay (one autograd call per group, each walking the graph again):
 groups whose weights are all vectors (norm scales, biases: an elementwise pass's cost) get their
-gradients in BI's own call, returned rather than accumulated; groups made only of custom
+gradients in BI's own call, returned rather than accumulated (unless a weight also hangs below an
+output that reaches no input); groups made only of custom
 Functions marked ``defers_weight_grads`` hand their work to BI's store
 (:mod:`.deferred_weights`). BW accumulates both in one autograd call, so no weight sees a
 gradient before BW.
@@ -153,7 +154,8 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     for group in groups:
         if all(_defers(node) for node in group.nodes):
             cleared.update(group.nodes)
-        elif all(w.dim() <= 1 for w in group.weights):
+        elif all(w.dim() <= 1 and id(w) not in root_weights for w in group.weights):
+            # BI's call reaches these from every output: not from one that BW runs on its own too
             early += group.weights
         else:
             replayed.append(group)
