@@ -111,3 +111,25 @@ def test_a_vector_weight_also_below_an_output_that_reaches_no_input_is_counted_o
     pending.run()
     torch.testing.assert_close(got[0], expected[0])
     torch.testing.assert_close(b.grad, expected[1])
+
+
+def test_a_cleared_node_finds_its_store_from_another_thread():
+    """On a GPU autograd runs a backward on the device's own thread: the store a BI opened is
+    found there too, only for the nodes it cleared, and only while it is open."""
+    import threading
+
+    from piper_plugin.autograd.deferred_weights import DeferredWeightGrads, opened
+
+    x = torch.randn(2, requires_grad=True)
+    cleared, other = (x * 2).grad_fn, (x * 3).grad_fn
+    store, seen = DeferredWeightGrads({cleared}), []
+
+    def look():
+        seen.append((deferred_weight_grads(cleared), deferred_weight_grads(other)))
+
+    with opened(store):
+        worker = threading.Thread(target=look)
+        worker.start()
+        worker.join()
+    look()
+    assert seen == [(store, None), (None, None)]

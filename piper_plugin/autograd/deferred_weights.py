@@ -11,11 +11,12 @@ accumulates every deferred gradient in one autograd call.
 Invariants: a deferred gradient is computed by the Function's own code on the tensors its
 backward saw, so it equals what the Function computes in one full backward; it enters autograd
 at the node's own weight edges (hooks on the weights' accumulators see it as in a full
-backward); the store is the running thread's, open only inside BI.
+backward); a store is open only inside its BI, and a cleared node finds it from whichever
+thread autograd runs it on (a GPU's backward runs on the device's own thread), since a node
+belongs to one graph and one BI at a time.
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from torch.autograd.graph import GradientEdge
 
 __all__ = ["DeferredWeightGrads", "deferred_weight_grads", "will_execute"]
 
-_open = threading.local()
+_open: list["DeferredWeightGrads"] = []  # the stores of the BIs running now, on any thread
 
 
 class DeferredWeightGrads:
@@ -59,8 +60,10 @@ class DeferredWeightGrads:
 def deferred_weight_grads(ctx) -> DeferredWeightGrads | None:
     """Inside a custom Function's backward: the running BI's store if this node (``ctx``) is
     cleared to defer its weight gradients, else None (compute them as usual)."""
-    store = getattr(_open, "store", None)
-    return store if store is not None and ctx in store.nodes else None
+    for store in tuple(_open):
+        if ctx in store.nodes:
+            return store
+    return None
 
 
 def will_execute(node) -> bool:
@@ -75,14 +78,14 @@ def will_execute(node) -> bool:
 
 
 class opened:
-    """``with opened(store):`` BI's autograd call, on this thread."""
+    """``with opened(store):`` BI's autograd call."""
 
     def __init__(self, store: DeferredWeightGrads) -> None:
         self.store = store
 
     def __enter__(self) -> DeferredWeightGrads:
-        self.previous, _open.store = getattr(_open, "store", None), self.store
+        _open.append(self.store)
         return self.store
 
     def __exit__(self, *exc) -> None:
-        _open.store = self.previous
+        _open.remove(self.store)
