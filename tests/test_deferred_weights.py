@@ -118,7 +118,7 @@ def test_a_cleared_node_finds_its_store_from_another_thread():
     found there too, only for the nodes it cleared, and only while it is open."""
     import threading
 
-    from piper_plugin.autograd.deferred_weights import DeferredWeightGrads, opened
+    from piper_plugin.autograd import DeferredWeightGrads
 
     x = torch.randn(2, requires_grad=True)
     cleared, other = (x * 2).grad_fn, (x * 3).grad_fn
@@ -127,7 +127,7 @@ def test_a_cleared_node_finds_its_store_from_another_thread():
     def look():
         seen.append((deferred_weight_grads(cleared), deferred_weight_grads(other)))
 
-    with opened(store):
+    with store:
         worker = threading.Thread(target=look)
         worker.start()
         worker.join()

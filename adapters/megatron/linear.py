@@ -65,10 +65,10 @@ class SplitLinear(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if wanted[0] else None
         store = deferred_weight_grads(ctx)
         if store is not None and not (wanted[1] or wanted[2]):  # a split's input pass: BW computes them
-            kept = [i for i in (1, 2) if nodes[i] is not None]
-            store.defer([GradientEdge(*ctx.next_functions[i]) for i in kept],
-                        lambda: [g for i, g in zip((1, 2), _weight_grads(grad_output, input, 1 in kept, 2 in kept))
-                                 if i in kept],
+            # one gradient per existing edge: _weight_grads gives None exactly where there is none
+            store.defer([GradientEdge(*ctx.next_functions[i]) for i in (1, 2) if nodes[i] is not None],
+                        lambda: [g for g in _weight_grads(grad_output, input, nodes[1] is not None, nodes[2] is not None)
+                                 if g is not None],
                         holds=[grad_output])
             return grad_input, None, None
         return (grad_input, *_weight_grads(grad_output, input, wanted[1], ctx.use_bias and wanted[2]))

@@ -17,7 +17,7 @@ belongs to one graph and one BI at a time.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
@@ -28,22 +28,20 @@ _open: list["DeferredWeightGrads"] = []  # the stores of the BIs running now, on
 
 
 class DeferredWeightGrads:
-    """What BI's cleared Functions handed over: per node, its weight edges and the work."""
+    """What BI's cleared Functions handed over: per node, its weight edges and the work.
+    ``with store:`` opens it around BI's autograd call."""
 
     def __init__(self, nodes: set) -> None:
         self.nodes = nodes  # the frontier nodes cleared to defer
+        self.held: list[torch.Tensor] = []  # tensors made in BI that the work keeps until BW
         self._work: list[tuple[list[GradientEdge], Callable[[], Sequence[torch.Tensor | None]]]] = []
-        self._held: list[torch.Tensor] = []
 
     def defer(self, edges: Sequence[GradientEdge], compute: Callable[[], Sequence[torch.Tensor | None]],
               holds: Sequence[torch.Tensor] = ()) -> None:
         """``compute()`` returns one gradient (or None) per edge of ``edges`` (the node's own
         weight edges); ``holds``: tensors made in BI that it keeps alive until BW (counted)."""
         self._work.append((list(edges), compute))
-        self._held.extend(holds)
-
-    def held(self) -> Iterator[torch.Tensor]:
-        return iter(self._held)
+        self.held.extend(holds)
 
     def compute(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Every deferred gradient, in the order BI handed them over; the store is emptied."""
@@ -53,8 +51,15 @@ class DeferredWeightGrads:
                 if g is not None:
                     edges.append(edge)
                     grads.append(g)
-        self._work, self._held = [], []
+        self._work, self.held = [], []
         return edges, grads
+
+    def __enter__(self) -> "DeferredWeightGrads":
+        _open.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _open.remove(self)
 
 
 def deferred_weight_grads(ctx) -> DeferredWeightGrads | None:
@@ -75,17 +80,3 @@ def will_execute(node) -> bool:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return True
-
-
-class opened:
-    """``with opened(store):`` BI's autograd call."""
-
-    def __init__(self, store: DeferredWeightGrads) -> None:
-        self.store = store
-
-    def __enter__(self) -> DeferredWeightGrads:
-        _open.append(self.store)
-        return self.store
-
-    def __exit__(self, *exc) -> None:
-        _open.remove(self.store)

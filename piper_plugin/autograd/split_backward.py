@@ -31,7 +31,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from piper_plugin.autograd.deferred_weights import DeferredWeightGrads, opened
+from piper_plugin.autograd.deferred_weights import DeferredWeightGrads
 
 __all__ = ["backward_input", "PendingWeightGrads", "weight_pass_repeats_work"]
 
@@ -52,8 +52,8 @@ class PendingWeightGrads:
 
     def __init__(self, outs: list[torch.Tensor], grads: list[torch.Tensor], groups: list[_Group],
                  recorded: dict, root_edges: list[GradientEdge], root_grads: list[torch.Tensor],
-                 root_weights: list[torch.Tensor], deferred: DeferredWeightGrads | None = None,
-                 early: tuple[list[torch.Tensor], list[torch.Tensor | None]] = ([], [])):
+                 root_weights: list[torch.Tensor], deferred: DeferredWeightGrads,
+                 early: tuple[list[torch.Tensor], list[torch.Tensor | None]]):
         self.outs, self.grads = outs, grads
         self._groups, self._recorded = groups, recorded
         self._roots = (root_edges, root_grads, root_weights)
@@ -61,7 +61,7 @@ class PendingWeightGrads:
         # what BI made and leaves alive for BW, beyond the chunk's saved activations and output
         # gradients: the recorded gradients, each storage once
         kept = [g for grads in recorded.values() for g in grads if g is not None]
-        kept += [g for g in early[1] if g is not None] + (list(deferred.held()) if deferred else [])
+        kept += [g for g in early[1] if g is not None] + deferred.held
         storages = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in kept}
         for g in grads:
             storages.pop(g.untyped_storage()._cdata, None)
@@ -85,7 +85,7 @@ class PendingWeightGrads:
             finally:
                 for handle in pins:
                     handle.remove()
-        edges, grads = self._deferred.compute() if self._deferred is not None else ([], [])
+        edges, grads = self._deferred.compute()
         for w, g in zip(*self._early):
             if g is not None:
                 edges.append(get_gradient_edge(w))
@@ -97,7 +97,7 @@ class PendingWeightGrads:
             torch.autograd.backward(edges, grads, retain_graph=True, inputs=weights)
         self.outs = self.grads = []
         self._groups, self._recorded, self._roots = [], {}, ([], [], [])
-        self._deferred, self._early = None, ([], [])
+        self._early = ([], [])
 
 
 def _pin(recorded: tuple):
@@ -163,7 +163,7 @@ def backward_input(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     recorded: dict = {}
     handles = [node.register_prehook(_record(recorded, node)) for group in replayed for node in group.nodes]
     try:
-        with opened(store):
+        with store:
             got = (torch.autograd.grad(outs, [*inputs, *early], grads, retain_graph=True, allow_unused=True)
                    if outs and inputs else [None] * (len(inputs) + len(early)))
     finally:
