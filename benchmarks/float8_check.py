@@ -143,7 +143,7 @@ def _refusal(args) -> str | None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError as exc:
-        return f"torchao's float8 does not import here ({exc}): pip install torchao"
+        return f"torchao's float8 does not import here ({exc}): pip install -e '.[float8]'"
     if args.device == "cuda":
         if not torch.cuda.is_available():
             return "--device cuda: no GPU here; use --device cpu --emulate"

@@ -1,7 +1,7 @@
 """``piper calibrate --host NAME -- <the host's arguments>``: a cost profile of a host framework's
 model, measured through its adapter.
 
-A host adapter registers a module in the ``piper_plugin.calibration`` entry-point group (setup.py;
+A host adapter registers a module in the ``piper_plugin.calibration`` entry-point group (pyproject.toml;
 TorchTitan's and Megatron's do) with:
 
 - ``program``: the module its ranks run (``python -m torch.distributed.run ... -m <program>``);

@@ -1,6 +1,6 @@
 """``piper launch --host megatron``: the :mod:`.pretrain_gpt` entry on Ray actors, one per rank.
 
-Registered in the ``piper_plugin.hosts`` entry-point group (setup.py): ``piper launch`` finds
+Registered in the ``piper_plugin.hosts`` entry-point group (pyproject.toml): ``piper launch`` finds
 ``host_argv`` (Megatron-LM's arguments, checked before Ray starts) and ``rank_class``; the actors
 and driver are the engine's (:func:`piper_plugin.launch_host`: torchrun's environment per actor,
 output as ``(rank R) <line>``, the earliest failure named, silence bounded).
