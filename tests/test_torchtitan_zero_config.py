@@ -59,7 +59,6 @@ def _dims(**degrees):
 
 
 @pytest.mark.parametrize("degrees, flag", [
-    ({"tp": 2}, "--parallelism.tensor_parallel_degree 2"),
     ({"cp": 2}, "--parallelism.context_parallel_degree 2"),
 ])
 def test_a_mesh_piper_cannot_run_is_refused_by_its_flag(degrees, flag):

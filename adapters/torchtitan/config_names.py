@@ -4,7 +4,8 @@ Stock config functions are read from the source of each model's ``config_registr
 top-level public functions annotated to return a ``...Config``), so a launcher checks a name
 in milliseconds before any rank starts (importing TorchTitan takes ~10 s). Piper's drop-ins
 are ``<stock>_pp2_<schedule>`` and, with ZeRO over 2 data-parallel ranks (4 ranks),
-``<stock>_pp2_dp2_zero<level>`` (1F1B) and ``<stock>_pp2_dp2_zero<level>_<schedule>``. Invariant: every name :func:`unknown` accepts resolves in
+``<stock>_pp2_dp2_zero<level>`` (1F1B) and ``<stock>_pp2_dp2_zero<level>_<schedule>``; with
+TorchTitan's tensor parallelism in each stage (4 ranks), ``<stock>_pp2_tp2_<schedule>``. Invariant: every name :func:`unknown` accepts resolves in
 :mod:`.config_registry` (which imports the stock function); a stock model that does not import
 on this machine is accepted here and named with its import error there.
 """
@@ -17,7 +18,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-__all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "EP_DROP_IN", "drop_in", "ep_drop_in",
+__all__ = ["MODELS", "BASES", "SCHEDULES", "DROP_IN", "ZERO_DROP_IN", "EP_DROP_IN", "TP_DROP_IN", "drop_in",
+           "ep_drop_in", "tp_drop_in",
            "stock_configs", "unknown"]
 
 # The model packages searched for stock config functions, in this order.
@@ -33,6 +35,16 @@ ZERO_DROP_IN = re.compile(r"(.+)_pp2_dp2_zero([123])(?:_(" + "|".join(SCHEDULES)
 
 # ``<stock config>_pp2_ep2_<schedule>``: 2 pipeline x 2 ranks whose experts are split over them.
 EP_DROP_IN = re.compile(r"(.+)_pp2_ep2_(" + "|".join(SCHEDULES) + ")")
+
+
+# ``<stock config>_pp2_tp2_<schedule>``: 2 pipeline x 2 tensor-parallel ranks (TorchTitan's TP in each stage).
+TP_DROP_IN = re.compile(r"(.+)_pp2_tp2_(" + "|".join(SCHEDULES) + ")")
+
+
+def tp_drop_in(name: str) -> tuple[str, str] | None:
+    """(stock config, schedule key) of a tensor-parallel drop-in name; None for other names."""
+    found = TP_DROP_IN.fullmatch(name)
+    return (found[1], found[2]) if found else None
 
 
 def ep_drop_in(name: str) -> tuple[str, str] | None:
@@ -79,7 +91,7 @@ def unknown(name: str) -> str:
     every = [n for names in stock.values() for n in names] + list(BASES)
     if not stock or name in every:
         return ""
-    parsed = drop_in(name) or ep_drop_in(name)
+    parsed = drop_in(name) or ep_drop_in(name) or tp_drop_in(name)
     if parsed and parsed[0] in every:
         return ""
     if parsed:
@@ -95,4 +107,5 @@ def unknown(name: str) -> str:
             f"stock configs without tied embeddings), e.g. llama3_debugmodel_pp2_1f1b, deepseek_v3_debugmodel_pp2_1f1b; "
             f"<stock>_pp2_dp2_zero<1|2|3>[_<schedule>] (4 ranks: 2 pipeline x 2 data-parallel with Piper's ZeRO), "
             f"e.g. llama3_debugmodel_pp2_dp2_zero3; <stock MoE>_pp2_ep2_<schedule> (4 ranks: 2 pipeline x 2 with the "
-            f"experts split over them), e.g. deepseek_v3_debugmodel_pp2_ep2_dualpipev")
+            f"experts split over them), e.g. deepseek_v3_debugmodel_pp2_ep2_dualpipev; <stock>_pp2_tp2_<schedule> (4 ranks: "
+            f"2 pipeline x 2 tensor-parallel), e.g. llama3_debugmodel_pp2_tp2_1f1b")

@@ -7,7 +7,9 @@ is no accelerator. Drop-in configs set the pipeline for a quick start: ``<stock>
 (schedule gpipe, 1f1b, interleaved or dualpipev) for any stock config without tied embeddings,
 and ``<stock>_pp2_dp2_zero<1|2|3>[_<schedule>]``: 4 ranks, 2 pipeline x 2 data-parallel with
 Piper's ZeRO at that level (1F1B unless a schedule is named); ``<stock MoE>_pp2_ep2_<schedule>``:
-4 ranks, 2 pipeline x 2 with the experts split over them (ZeRO-2 for the dense part).
+4 ranks, 2 pipeline x 2 with the experts split over them (ZeRO-2 for the dense part);
+``<stock>_pp2_tp2_<schedule>``: 4 ranks, 2 pipeline x 2 tensor-parallel (TorchTitan's TP inside
+each stage, sequence parallel on).
 
 Invariant: every public callable of this module is a config function (TorchTitan lists them
 when ``--config`` names none); helpers are private, and importing this module imports no
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from piper_plugin.adapters.torchtitan.config_names import drop_in as _parse_drop_in
 from piper_plugin.adapters.torchtitan.config_names import ep_drop_in as _parse_ep_drop_in
+from piper_plugin.adapters.torchtitan.config_names import tp_drop_in as _parse_tp_drop_in
 from piper_plugin.adapters.torchtitan.config_names import MODELS as _MODELS
 from piper_plugin.adapters.torchtitan.config_names import SCHEDULES
 from piper_plugin.adapters.torchtitan.flags import FlagError, one_line_errors
@@ -132,8 +135,9 @@ def _wrap(name: str) -> Callable[[], PiperTrainer.Config]:
 def __getattr__(name: str):
     if name.startswith("_"):
         raise AttributeError(name)
-    parsed, expert = _parse_drop_in(name), _parse_ep_drop_in(name)
-    fn = _drop_in(name, *parsed) if parsed else _ep_drop_in(name, *expert) if expert else _wrap(name)
+    parsed, expert, tensor = _parse_drop_in(name), _parse_ep_drop_in(name), _parse_tp_drop_in(name)
+    fn = (_drop_in(name, *parsed) if parsed else _ep_drop_in(name, *expert) if expert
+          else _tp_drop_in(name, *tensor) if tensor else _wrap(name))
     globals()[name] = fn
     return fn
 
@@ -161,6 +165,20 @@ def _ep_drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTraine
     config_fn.__name__ = config_fn.__qualname__ = name
     config_fn.__doc__ = (f"TorchTitan's {base}, 2 pipeline x 2 ranks with the experts split over them (and "
                          f"ZeRO-2 for the rest), {SCHEDULES[schedule]} run by Piper.")
+    return config_fn
+
+
+def _tp_drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
+    _stock_config_fn(base)  # fail now, naming the missing stock config
+
+    def config_fn() -> PiperTrainer.Config:
+        config = _pp2(base, SCHEDULES[schedule], seq_len=64)
+        config.parallelism.tensor_parallel_degree = 2
+        return config
+
+    config_fn.__name__ = config_fn.__qualname__ = name
+    config_fn.__doc__ = (f"TorchTitan's {base}, 2 pipeline x 2 tensor-parallel ranks (TorchTitan's TP and "
+                         f"sequence parallelism inside each stage), {SCHEDULES[schedule]} run by Piper.")
     return config_fn
 
 

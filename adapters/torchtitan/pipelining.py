@@ -21,7 +21,7 @@ from torchtitan.distributed.pipeline_parallel import (
 from torchtitan.tools.logging import logger
 
 from piper_plugin import (
-    DirectiveError, Schedule, ValueSpec, check_plan_hash, compile_program, prediction_line, read_profile,
+    DirectiveError, PlanError, Schedule, ValueSpec, check_plan_hash, compile_program, prediction_line, read_profile,
     recipes,
 )
 
@@ -32,6 +32,7 @@ from piper_plugin.adapters.torchtitan.program import build_stage_program, hidden
 from piper_plugin.adapters.torchtitan.resident import simulated_memory_line
 from piper_plugin.adapters.torchtitan.schedule import PiperPipelineSchedule
 from piper_plugin.adapters.torchtitan.stage_memory import apply_stage_memory, measure_stage_memory
+from piper_plugin.adapters.torchtitan.tensor_parallel import check_tensor_parallel, plan_copies
 from piper_plugin.adapters.torchtitan.titan_log import say_fsdp_withheld
 from piper_plugin.adapters.torchtitan.zero import (
     check_parallelism, check_withheld, expert_faces, plan_replicas, shard_faces, shard_mesh, withhold_fsdp,
@@ -119,6 +120,8 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     zero = zero_level(parallelism, options, parallel_dims.dp_shard)
     check_parallelism(parallel_dims, zero, alternate)
     pp, dp = parallel_dims.pp, parallel_dims.dp_replicate  # dp: copies of the plan TorchTitan reduces
+    tp = parallel_dims.tp  # a plan rank is a TP group: each member runs the plan on its local shards
+    check_tensor_parallel(tp, zero, parallel_dims.ep)
     shards = parallel_dims.dp_shard if zero is not None else 1  # Piper's own data-parallel axis
     ep = parallel_dims.ep  # experts over the shards (check_parallelism): the grid's ep axis
     compiled = bool(getattr(compile_config, "enable", False)) and "model" in compile_config.components  # all ranks
@@ -193,7 +196,10 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
     apply_stage_memory(program, memory)
     built = _compile(program, schedule_fn, pp * shards, split_last_backward)
     plan, result = built.plan, built.simulation
-    check_plan_hash(plan, replicas=dp)  # before TorchTitan's own collectives run on these parts
+    try:  # before TorchTitan's own collectives run on these parts
+        check_plan_hash(plan, replicas=dp * tp, tensor_parallel=tp)
+    except PlanError as exc:
+        raise FlagError(f"--parallelism.tensor_parallel_degree {tp} with Piper recipe {label!r}: {exc}") from None
     mesh = shard_mesh(parallel_dims) if zero is not None else None
     for s in local:  # DTensor faces, before TorchTitan initialises the parameters
         experts = {n for layer in routed_layers(model_parts[s]) for n in layer} if ep > 1 else set()
@@ -215,17 +221,21 @@ def pipeline_with_piper(model: nn.Module, *, parallel_dims, training, parallelis
         logger.info("Piper: --compile.enable compiles the model's blocks: each compiled backward yields input and "
                     "weight gradients in one call, so every backward runs as one pass (the plan times each "
                     "input-gradient task as a whole backward and its weight-gradient task as nothing)")
-    specs = {hidden_name(s): ValueSpec((mbs, training.seq_len, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
+    # what a stage hands the next: each TP rank's local tensor (under sequence parallelism its
+    # slice of the sequence), to the same TP rank of the next stage
+    hidden_seq = training.seq_len // tp if tp > 1 and parallelism.enable_sequence_parallel else training.seq_len
+    specs = {hidden_name(s): ValueSpec((mbs, hidden_seq, dim), mixed[0] or _hidden_dtype(model_parts, training, dtype))
              for s in range(num_stages - 1)}
     trace, trace_memory = getattr(options, "trace", None), bool(getattr(options, "trace_memory", False))
     if trace_memory and not trace:
         raise FlagError("--piper.trace_memory records into the step trace: add --piper.trace DIR")
     schedule = PiperPipelineSchedule(plan=plan, program=program, parts=model_parts, loss_fn=loss_fn,
                                      rank=plan_rank, specs=specs, timeout_s=getattr(options, "timeout_s", 300.0),
+                                     tensor_parallel=tp,
                                      recipe=label, mixed_precision=mixed, experts_sharded=ep > 1,
                                      trace_dir=trace, trace_memory=trace_memory,
                                      replicas=(plan_replicas(parallel_dims, mesh, plan.grid) if mesh is not None
-                                               else _replicas(parallel_dims)))
+                                               else plan_copies(parallel_dims)))
     if alternate:
         baseline = torch_schedule(model_parts, parallel_dims=parallel_dims, parallelism=parallelism,
                                   training=training, device=device, loss_fn=loss_fn)
@@ -248,18 +258,6 @@ def _hidden_dtype(parts: dict[int, nn.Module], training, param_dtype: torch.dtyp
 
     wrapped = any(isinstance(m, FSDPModule) for p in parts.values() for m in p.modules())
     return TORCH_DTYPE_MAP[training.mixed_precision_param] if wrapped else param_dtype
-
-
-def _replicas(parallel_dims) -> list[list[int]]:
-    """Process ranks of every pipeline replica, each ordered by pipeline rank (collective).
-
-    With ``data_parallel_replicate_degree`` > 1 each replica runs the same Piper plan over its
-    own ``pp`` mesh group; TorchTitan's FSDP (HSDP) wrapper all-reduces their gradients."""
-    group = parallel_dims.get_mesh("pp").get_group()
-    mine = dist.get_process_group_ranks(group)
-    everyone: list[list[int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
 
 
 def make_pipelining_fn(options=None, alternate: bool = False) -> Callable[..., Any]:

@@ -107,8 +107,9 @@ class LocalStages(nn.Module):
 
 
 def _param_info(part: nn.Module, stage: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    return {f"model.stages.{stage}.{n}": (tuple(p.shape), p.numel() * p.element_size())
-            for n, p in part.named_parameters()}
+    """Shape and bytes of each parameter as this rank holds it (a TP DTensor: its local shard)."""
+    local = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in part.named_parameters()}
+    return {f"model.stages.{stage}.{n}": (tuple(t.shape), t.numel() * t.element_size()) for n, t in local.items()}
 
 
 def _blocks(part: nn.Module, stage: int) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -38,7 +38,7 @@ class PiperPipelineSchedule:
 
     def __init__(self, *, plan, program: StageProgram, parts: dict[int, nn.Module], loss_fn,
                  rank: int, specs: dict[str, ValueSpec], timeout_s: float, recipe: str,
-                 replicas: list[list[int]] | None = None, mixed_precision=(None, None),
+                 replicas: list[list[int]] | None = None, tensor_parallel: int = 1, mixed_precision=(None, None),
                  experts_sharded: bool = False, trace_dir: str | None = None, trace_memory: bool = False):
         self.plan, self.program, self.rank, self.recipe = plan, program, rank, recipe
         self.parts = parts
@@ -53,6 +53,7 @@ class PiperPipelineSchedule:
         # ``mixed_precision``: FSDP's policy (param, reduce dtypes), done by Piper's ZeRO when it shards.
         self.config = ExecutorConfig(timeout_s=timeout_s, loss_scale=1.0, track_saved_memory=trace_memory,
                                      replicas=tuple(tuple(r) for r in replicas) if replicas else None,
+                                     tensor_parallel=tensor_parallel,
                                      param_dtype=mixed_precision[0], reduce_dtype=mixed_precision[1],
                                      experts_sharded=experts_sharded)
         self._executor: Executor | None = None

@@ -11,6 +11,7 @@ TorchTitan's start-up lines that are false here are said once and true (:mod:`.t
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -22,6 +23,7 @@ from torchtitan.trainer import Trainer
 from piper_plugin.adapters.torchtitan import cpu, resident, titan_log
 from piper_plugin.adapters.torchtitan.dump_state import dump_state
 from piper_plugin.adapters.torchtitan.flags import one_line_errors
+from piper_plugin.adapters.torchtitan.tensor_parallel import check_tensor_parallel_config, check_world_size
 
 __all__ = ["PiperParallelismConfig", "PiperOptions", "PiperTrainer", "to_piper_config"]
 
@@ -97,6 +99,10 @@ class PiperTrainer(Trainer):
                 cpu.refuse_cuda_only_flags(config)
             cpu.use_cpu_device()  # before Trainer.__init__: it calls set_device first thing
         engine = config.parallelism.pipeline_engine
+        if engine in ("piper", "alternate"):
+            with one_line_errors():
+                check_world_size(config, int(os.environ.get("WORLD_SIZE", "1")))
+                check_tensor_parallel_config(config)
         if engine in ("piper", "alternate") and config.model_spec is not None:
             from piper_plugin.adapters.torchtitan.pipelining import make_pipelining_fn
 

@@ -53,7 +53,7 @@ def check_parallelism(parallel_dims, zero: int | None = None, alternate: bool = 
     ZeRO over each replica's shards, the gradients summed over the replicas); and expert
     parallelism over the whole dp_shard group (TorchTitan's ep borrowed from it)."""
     unsupported = [(flag, degree) for flag, degree in (
-        ("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp)) if degree > 1]
+        ("context_parallel_degree", parallel_dims.cp),) if degree > 1]
     if unsupported:
         flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
         raise FlagError(f"{flags}: the Piper engine runs pipeline x data x expert parallelism (ZeRO over "

@@ -10,6 +10,13 @@ then the process rank of plan rank ``r`` in replica ``i``. Every process creates
 communicators (in replica order), keeps its own, and addresses peers by process rank; plan
 ranks stay what the plan, its state and its streams use. ``replica_group`` joins one plan
 rank's copies across the replicas (ZeRO shards' gradients are summed over it after a step).
+
+Under tensor parallelism a plan rank is a TP group: every member runs the same plan on its
+local shards. The copies are then ordered (data-parallel replica, TP coordinate), TP fastest
+(``tensor_parallel`` of them per replica); each TP coordinate has its own communicators, so a
+message goes to the same TP coordinate of its peer and Piper's collectives (ZeRO buckets, the
+expert exchange) run over ranks of one TP coordinate; ``replica_group`` joins only the copies
+of one TP coordinate (different coordinates hold different shards and never sum).
 """
 from __future__ import annotations
 
@@ -63,12 +70,16 @@ def block_regions(plan: Plan) -> list[tuple[str, str, tuple[int, ...]]]:
 
 class DistComm:
     def __init__(self, plan: Plan, rank: int, specs: dict[str, ValueSpec], timeout_s: float,
-                 device: torch.device = torch.device("cpu"), replicas: list[list[int]] | None = None):
+                 device: torch.device = torch.device("cpu"), replicas: list[list[int]] | None = None,
+                 tensor_parallel: int = 1):
         self.plan, self.rank, self.specs, self.device = plan, rank, specs, device
         world = plan.grid.world_size
         replicas = replicas or [list(range(world))]
         if any(len(r) != world for r in replicas):
             raise ValueError(f"every replica must list {world} process ranks (one per plan rank): {replicas}")
+        if tensor_parallel < 1 or len(replicas) % tensor_parallel:
+            raise ValueError(f"{len(replicas)} copies of the plan are not a whole number of tensor-parallel groups "
+                             f"of {tensor_parallel}")
         me = dist.get_rank()
         mine = [r for r in replicas if r[rank] == me]
         if len(mine) != 1:
@@ -91,12 +102,15 @@ class DistComm:
                     self.groups[(stream, ranks)] = group
         # each plan rank's copies across the replicas: the host's data parallelism around the plan's
         self.replica_group: dist.ProcessGroup | None = None
-        if len(replicas) > 1:
-            for r in range(world):
-                group = dist.new_group([replica[r] for replica in replicas], timeout=timeout,
-                                       use_local_synchronization=False)
-                if r == rank:
-                    self.replica_group = group
+        self.tp_coordinate = replicas.index(mine[0]) % tensor_parallel
+        if len(replicas) > tensor_parallel:
+            for coordinate in range(tensor_parallel):
+                copies = replicas[coordinate::tensor_parallel]
+                for r in range(world):
+                    group = dist.new_group([replica[r] for replica in copies], timeout=timeout,
+                                           use_local_synchronization=False)
+                    if r == rank and coordinate == self.tp_coordinate:
+                        self.replica_group = group
         self._bucket_groups = {(node.region, node.bucket): self._group(node)[1] for node in plan.dag.nodes.values()
                                if node.kind in (Kind.REDUCE_SCATTER, Kind.ALL_GATHER) and rank in node.devices}
         for region, axis, devices in block_regions(plan):

@@ -36,27 +36,44 @@ from piper_plugin.runtime.rank_state import RankState, _Named
 from piper_plugin.runtime.streams import Continue, RunnerConfig, StreamRunner
 from piper_plugin.runtime.update_gate import FiniteLossGate, update_before_loss
 from piper_plugin.runtime.value_specs import ValueSpec
-from piper_plugin.scheduler.plan import Plan
+from piper_plugin.scheduler.plan import Plan, PlanError
 
-__all__ = ["Executor", "ExecutorConfig", "HostOptimizer", "PlanMismatch", "check_plan_hash"]
+__all__ = ["Executor", "ExecutorConfig", "HostOptimizer", "PlanMismatch", "check_plan_hash", "check_tensor_parallel_plan"]
 
 
 class PlanMismatch(RuntimeError):
     pass
 
 
-def check_plan_hash(plan, replicas: int = 1) -> None:
+def check_plan_hash(plan, replicas: int = 1, tensor_parallel: int = 1) -> None:
     """Every process compiled the same plan, and the job has its ranks once per ``replicas``
-    (data-parallel copies of the plan a host framework reduces itself)."""
+    (copies of the plan: data-parallel ones a host framework reduces itself, times the
+    ``tensor_parallel`` members of each plan rank's TP group)."""
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, plan.hash())
     if len(set(hashes)) != 1:
         raise PlanMismatch(f"ranks compiled different plans (hash per rank: {hashes}); run the same code "
                            f"and flags on every rank")
+    if tensor_parallel > 1:
+        check_tensor_parallel_plan(plan)
     if plan.grid.world_size * replicas != dist.get_world_size():
-        copies = f" x {replicas} replicas" if replicas > 1 else ""
+        data = replicas // tensor_parallel
+        copies = (f" x {data} replicas" if data > 1 else "") + (f" x tp {tensor_parallel}" if tensor_parallel > 1 else "")
         raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep){copies} but the job has "
                            f"{dist.get_world_size()}; set --nproc_per_node accordingly")
+
+
+def check_tensor_parallel_plan(plan) -> None:
+    """A plan whose ranks are TP groups runs each rank's compute on one logical stream: the host's
+    TP collectives inside the compute are issued in the plan's order on every member (two compute
+    threads could issue them in different orders and deadlock). Raises :class:`PlanError`."""
+    for rank, rank_plan in enumerate(plan.ranks):
+        streams = sorted(name for name, keys in rank_plan.streams.items()
+                         if any(plan.dag.nodes[k].is_compute for k in keys))
+        if len(streams) > 1:
+            raise PlanError(f"rank {rank} computes on streams {', '.join(streams)}, but under tensor parallelism a "
+                            f"rank's compute runs on one stream (the TP collectives inside it must keep one order on "
+                            f"every member); drop the stream directives that move compute nodes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +104,7 @@ class ExecutorConfig:
     track_saved_memory: bool = True
     capture_grads: bool = False
     replicas: tuple[tuple[int, ...], ...] | None = None
+    tensor_parallel: int = 1
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     experts_sharded: bool = False
@@ -133,13 +151,14 @@ class Executor:
         self.state.meter.track_saved = config.track_saved_memory
         self.device = self.state.device
         replicas = [list(r) for r in config.replicas] if config.replicas else None
-        if replicas and len(replicas) > 1 and optimizer_fn is not None and any(
+        if replicas and len(replicas) > config.tensor_parallel and optimizer_fn is not None and any(
                 b.n > 1 for b in self.state.buckets.values()):
             raise ValueError("replicas of a plan that replicates regions sum their gradients after the step: "
                              "the host steps the optimizer (optimizer_fn=None), or run one replica with a "
                              "data-parallel degree covering all")
-        check_plan_hash(plan, replicas=len(replicas) if replicas else 1)
-        self.comm = DistComm(plan, rank, self.specs, config.timeout_s, self.device, replicas=replicas)
+        check_plan_hash(plan, replicas=len(replicas) if replicas else 1, tensor_parallel=config.tensor_parallel)
+        self.comm = DistComm(plan, rank, self.specs, config.timeout_s, self.device, replicas=replicas,
+                             tensor_parallel=config.tensor_parallel)
         self._install_blocks(config.timeout_s)
         self._compute_context: Callable[[], ContextManager] | None = None
         self.runner = StreamRunner(plan.ranks[rank], self._execute, config.runner(), describe=self._describe,
