@@ -58,6 +58,8 @@ BENCHES = (
     Bench("zero_parity", ("--models", "llama3", "--schedules", "1F1B", "--zero", "3", "--steps", "4"),
           what="ZeRO x PP parity with TorchTitan's engine"),
     Bench("ep_parity", ("--schedules", "1F1B", "--steps", "4"), what="expert parallelism parity with TorchTitan"),
+    Bench("tp_parity", ("--models", "llama3", "--schedules", "1F1B", "--no-replicate", "--steps", "2"),
+          what="tensor parallelism in TorchTitan's stages, parity with its engine"),
     Bench("megatron_ab", ("--schedules", "1f1b", "--layers", "4", "--hidden", "128", "--rounds", "1", "--warmup", "1",
                           "--steps", "3", "--quiet-wait", "0"), what="Piper vs Megatron-Core's schedules"),
     Bench("tune_ab", ("--rounds", "1", "--steps", "6"), what="piper tune's choice vs hand-written recipes"),

@@ -63,13 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=4, help="steps dropped at the start of each run")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="local batch (microbatches at microbatch size 1)")
+    parser.add_argument("--tp", type=int, default=1, choices=[1, 2],
+                        help="tensor_parallel_degree inside each stage: 2 runs <model>_pp2_tp2_<schedule> on 4 ranks")
     parser.add_argument("--extra", default="", help="more torchtitan.train flags, one string")
     parser.add_argument("--out", type=Path, default=None)
     return parser
 
 
-def config_name(model: str, schedule: str) -> str:
-    return f"{model}_pp2_{SCHEDULE_CONFIG[schedule]}"
+def config_name(model: str, schedule: str, tp: int = 1) -> str:
+    return f"{model}_pp2_{'tp2_' if tp == 2 else ''}{SCHEDULE_CONFIG[schedule]}"
 
 
 def rank_memory_by_step(dump_folder: Path) -> dict[int, dict[int, float]]:
@@ -96,8 +98,8 @@ def engines_by_step(log: str) -> dict[int, str]:
 
 def _run(args, schedule: str, dump: Path, extra: list[str]) -> tuple[TitanRun, ForeignLoad, dict[int, str]]:
     with ForeignLoad() as load:
-        run = run_titan(config_name(args.model, schedule), "alternate", dump_folder=dump, steps=args.steps,
-                        extra=extra, timeout_s=1800)
+        run = run_titan(config_name(args.model, schedule, args.tp), "alternate", dump_folder=dump, steps=args.steps,
+                        nproc=2 * args.tp, extra=extra, timeout_s=1800)
     if not run.ok:
         print(run.tail(), file=sys.stderr)
         raise SystemExit(f"{schedule} run failed (exit {run.returncode}); command: {shlex.join(run.command)}")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                       f"piper {median(s['piper']['tps']):.0f}, wall {run.wall_s:.1f}s", flush=True)
     summary = _summarise(stats)
     text = _report(args, parser, extra, stats, summary)
-    path = write_result(args.out, f"torchtitan_ab_{args.model}_pp2.md", text)
+    path = write_result(args.out, f"torchtitan_ab_{args.model}_pp2{'_tp2' if args.tp == 2 else ''}.md", text)
     print(text)
     print(f"written to {path}")
     return summary
@@ -206,9 +208,15 @@ def _report(args, parser, extra, stats, summary) -> str:
         ratios.append([schedule, f"**{x['ratio']:.3f}**", f"**{x['run_ratio']:.3f}** ({runs}; {ahead} of "
                        f"{len(x['run_ratios'])} at or above 1)", cycle, mem, f"{x['loss']:.5f}", f"{median(s['wall']):.1f}",
                        f"{median(s['load']):.2f}" if s["load"] else "n/a"])
-    run_cmd = shlex.join(titan_command(f"{args.model}_pp2_<schedule>", "alternate", steps=args.steps, extra=extra))
+    layout = "pp2_tp2_" if args.tp == 2 else "pp2_"
+    run_cmd = shlex.join(titan_command(f"{args.model}_{layout}<schedule>", "alternate", nproc=2 * args.tp,
+                                       steps=args.steps, extra=extra))
+    ranks = "4 ranks: pipeline 2 x tensor parallel 2, on 2 cores" if args.tp == 2 else "2 ranks"
+    ranks_note = ("4 ranks share 2 cores: a rank waiting on a message lends its core to another, so the ratio shows "
+                  "engine overhead under that sharing, not what a pipeline schedule gains on a machine with a core per "
+                  "rank. " if args.tp == 2 else "")
     return "\n".join([
-        f"# Piper vs TorchTitan's pipelining ({args.model}, torchtitan.train, 2 ranks)", "",
+        f"# Piper vs TorchTitan's pipelining ({args.model}, torchtitan.train, {ranks})", "",
         f"Command: `{command_line('torchtitan_ab', args, parser)}`", "",
         f"Each run: `{run_cmd}` (schedule suffixes: "
         f"{', '.join(f'{k} -> {v}' for k, v in SCHEDULE_CONFIG.items())})", "",
@@ -218,10 +226,11 @@ def _report(args, parser, extra, stats, summary) -> str:
         f"steps. Per-run ratios: the same within each run, and their median (runs at different machine speeds are "
         f"not pooled). Cycle ratio: median over complete torch-piper-piper-torch cycles of piper / torch tokens/s (number of "
         f"cycles in brackets). Peak memory: {memory}, max over an engine's measured steps, median over runs, "
-        f"rank 0 / rank 1. Other load: cores kept busy by other processes during the runs (median over runs).", "",
-        markdown_table(["schedule", "engine", "median tokens/s", "steps measured", "peak MiB per rank (0 / 1)"], rows),
+        f"rank 0 / rank 1{' / ...' if args.tp == 2 else ''}. Other load: cores kept busy by other processes during "
+        f"the runs (median over runs). {ranks_note}", "",
+        markdown_table(["schedule", "engine", "median tokens/s", "steps measured", "peak MiB per rank"], rows),
         "",
-        markdown_table(["schedule", "piper / torch tokens/s", "median of per-run ratios (each run)", "cycle ratio", "piper - torch peak MiB (rank 0 / 1)",
+        markdown_table(["schedule", "piper / torch tokens/s", "median of per-run ratios (each run)", "cycle ratio", "piper - torch peak MiB per rank",
                         f"loss at step {args.steps} (run 0)", "median wall s / run", "other load (cores)"], ratios),
         "", machine_line("started by torchrun"), "",
     ])
