@@ -71,7 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--bf16", action="store_true", help="refused: this entry computes in float32")
     train.add_argument("--fp16", action="store_true", help="refused: this entry computes in float32")
     par = p.add_argument_group("parallelism")
-    par.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    par.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                     help="Megatron's tensor parallelism inside each stage (column/row-parallel layers)")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="Megatron's sequence parallelism over the tensor-parallel ranks (needs TP > 1)")
     par.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
     par.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
@@ -136,17 +139,16 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.recompute_granularity != "full" and (args.recompute_method or args.recompute_num_layers):
         raise ArgumentError("--recompute-method / --recompute-num-layers apply to --recompute-granularity full; "
                             "add it or drop them")
-    if args.tensor_model_parallel_size != 1:
-        raise ArgumentError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: this entry runs "
-                            f"pipeline x data x expert parallelism; set it to 1")
+    tp = args.tensor_model_parallel_size
+    _check_tensor_parallel(args, tp)
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
-    if world % pp:
-        raise ArgumentError(f"--pipeline-model-parallel-size {pp} does not divide the {world} ranks; launch a "
-                            f"multiple of {pp} ranks (--nproc_per_node)")
-    dp = world // pp
+    if world % (pp * tp):
+        raise ArgumentError(f"--pipeline-model-parallel-size {pp} x --tensor-model-parallel-size {tp} does not divide "
+                            f"the {world} ranks; launch a multiple of {pp * tp} ranks (--nproc_per_node)")
+    dp = world // (pp * tp)
     if args.data_parallel_size is not None and args.data_parallel_size != dp:
-        raise ArgumentError(f"--data-parallel-size {args.data_parallel_size}: {world} ranks / pipeline {pp} give "
-                            f"{dp}; drop it or launch {args.data_parallel_size * pp} ranks")
+        raise ArgumentError(f"--data-parallel-size {args.data_parallel_size}: {world} ranks / (pipeline {pp} x tensor "
+                            f"{tp}) give {dp}; drop it or launch {args.data_parallel_size * pp * tp} ranks")
     args.data_parallel_size = dp
     chunks = vpp or 1
     if vpp is not None and (vpp < 2 or pp < 2):
@@ -195,6 +197,28 @@ def validate(args: argparse.Namespace, world: int) -> None:
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
+
+
+def _check_tensor_parallel(args: argparse.Namespace, tp: int) -> None:
+    """What the tensor-parallel size must divide, and sequence parallelism's conditions (Megatron's)."""
+    if args.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel splits the sequence over the tensor-parallel ranks: add "
+                            "--tensor-model-parallel-size > 1 or drop it")
+    if tp == 1:
+        return
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    for flag, value in (("--num-attention-heads", args.num_attention_heads), ("--hidden-size", args.hidden_size),
+                        ("--ffn-hidden-size", ffn)):
+        if value % tp:
+            raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide {flag} {value} (each "
+                                f"tensor-parallel rank holds {flag.removeprefix('--')} / size of it); use a divisor "
+                                f"of {value}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentError(f"--sequence-parallel with --tensor-model-parallel-size {tp} does not divide --seq-length "
+                            f"{args.seq_length}; use a multiple of {tp}")
+    if args.num_experts and not args.sequence_parallel:
+        raise ArgumentError(f"--num-experts with --tensor-model-parallel-size {tp}: Megatron's MoE layers need "
+                            f"--sequence-parallel under tensor parallelism; add it")
 
 
 def _check_evaluation(args: argparse.Namespace) -> None:

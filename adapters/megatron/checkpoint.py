@@ -1,11 +1,12 @@
 """``--save`` / ``--load`` for :mod:`.pretrain_gpt`, in Megatron-LM's legacy ``torch`` layout.
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/model_optim_rng.pt    (data-parallel rank 0)
-    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/distrib_optim_dp<r>.pt (--use-distributed-optimizer)
-    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/zero_optim_dp<r>.pt    (--piper-zero)
-    <dir>/iter_<7 digits>/mp_rank_00_<pp 3 digits>/rng_dp<r>.pt
-    (with --expert-model-parallel-size > 1 the folders are mp_rank_00_<pp>_<expert rank 3 digits>,
+    <dir>/iter_<7 digits>/mp_rank_<tp 2 digits>_<pp 3 digits>/model_optim_rng.pt    (data-parallel rank 0)
+    <dir>/iter_<7 digits>/mp_rank_<tp>_<pp>/distrib_optim_dp<r>.pt (--use-distributed-optimizer)
+    <dir>/iter_<7 digits>/mp_rank_<tp>_<pp>/zero_optim_dp<r>.pt    (--piper-zero)
+    <dir>/iter_<7 digits>/mp_rank_<tp>_<pp>/rng_dp<r>.pt
+    (each tensor-parallel rank saves its own shards; with --expert-model-parallel-size > 1 the
+    folders are mp_rank_<tp>_<pp>_<expert rank 3 digits>,
     each model file written by the first data-parallel replica of those experts)
 
 ``model_optim_rng.pt`` holds ``model`` (``model0``, ``model1``... with a virtual pipeline),
@@ -42,11 +43,13 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _folder(root: str, iteration: int) -> Path:
-    """This rank's folder, named as Megatron-LM's legacy checkpoints: by pipeline rank, and with
-    expert parallelism also by expert rank (each holds its own experts)."""
+    """This rank's folder, named as Megatron-LM's legacy checkpoints: by tensor- and
+    pipeline-parallel rank, and with expert parallelism also by expert rank (each holds its own
+    experts)."""
     from megatron.core import parallel_state
 
-    name = f"mp_rank_00_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    name = (f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}_"
+            f"{parallel_state.get_pipeline_model_parallel_rank():03d}")
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         name += f"_{parallel_state.get_expert_model_parallel_rank():03d}"
     return Path(root) / f"iter_{iteration:07d}" / name

@@ -24,6 +24,7 @@ Transformer Engine), but running them touches CUDA in a few kinds of places
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from typing import Any, Callable, ContextManager
@@ -151,6 +152,7 @@ def apply_cpu_fixes() -> bool:
             cuda.stream = lambda *a, **k: contextlib.nullcontext()
             _split_sizes_as_lists()
             _cpu_generator_as_device_generator()
+            _torch_norm_under_sequence_parallel()
             try:
                 from megatron.core.transformer.moe import moe_utils
                 if not hasattr(moe_utils, "te_general_gemm"):
@@ -165,6 +167,29 @@ def apply_cpu_fixes() -> bool:
 
 
 _thread_mode = threading.local()
+
+
+def _torch_norm_under_sequence_parallel() -> None:
+    """Megatron's torch norm (the local spec's without apex or Transformer Engine, as here)
+    refuses ``--sequence-parallel``; its fused norms take it and mark their weights
+    ``sequence_parallel``, so ``finalize_model_grads`` sums their gradients over the
+    tensor-parallel ranks (each saw its slice of the sequence). The same here for the torch
+    norm: the arithmetic is the norm's own, only the mark is added."""
+    try:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    except ImportError:
+        return
+    original = WrappedTorchNorm.__new__
+
+    def build(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, *args, **kwargs)
+        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = build
 
 
 def _cpu_generator_as_device_generator() -> None:

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from piper_plugin.adapters.megatron.errors import ArgumentError
 
-__all__ = ["hidden_shape", "tensor_parallel", "data_parallel", "plan_processes", "pipelines"]
+__all__ = ["hidden_shape", "tensor_parallel", "tensor_parallel_rank", "data_parallel", "plan_processes", "pipelines"]
 
 
 def hidden_shape(config, seq_length, decoder_seq_length, micro_batch_size, pg_collection) -> tuple[int, ...]:
@@ -55,18 +55,33 @@ def data_parallel(zero: int | None, chunks: list[nn.Module], pg_collection) -> t
     return dp, dist.get_rank(group)
 
 
-def plan_processes(plan, pp_rank: int, dp_rank: int) -> list[int]:
-    """Process rank of every plan rank (a collective): plan rank (pipeline rank p, data shard d)
-    is the process at Megatron's pipeline rank p and data-parallel rank d."""
+def tensor_parallel_rank(pg_collection) -> int:
+    from megatron.core import parallel_state
+
+    return pg_collection.tp.rank() if pg_collection is not None else parallel_state.get_tensor_model_parallel_rank()
+
+
+def plan_processes(plan, pp_rank: int, dp_rank: int, tp_rank: int = 0, tp: int = 1) -> list[list[int]]:
+    """Process rank of every plan rank, one list per TP coordinate (a collective): plan rank
+    (pipeline rank p, data shard d) of TP coordinate t is the process at Megatron's pipeline
+    rank p, data-parallel rank d and tensor-parallel rank t."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (pp_rank, dp_rank))
+    dist.all_gather_object(everyone, (pp_rank, dp_rank, tp_rank))
     where = {coords: process for process, coords in enumerate(everyone)}
-    return [where[(plan.grid.coords(r)[0], plan.grid.data_shard(r))] for r in range(plan.grid.world_size)]
+    return [[where[(plan.grid.coords(r)[0], plan.grid.data_shard(r), t)] for r in range(plan.grid.world_size)]
+            for t in range(tp)]
 
 
-def pipelines(pp_group) -> list[list[int]]:
-    """Process ranks of every pipeline (each a replica of the plan), ordered by pipeline rank."""
-    mine = dist.get_process_group_ranks(pp_group)
+def pipelines(pp_group, tp_rank: int = 0, tp: int = 1) -> list[list[int]]:
+    """Process ranks of every pipeline (each a copy of the plan), ordered by pipeline rank; the
+    pipelines ordered (data-parallel replica, TP coordinate), TP fastest (a collective)."""
+    mine = (tp_rank, dist.get_process_group_ranks(pp_group))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return [list(r) for r in sorted({tuple(r) for r in everyone}, key=lambda r: r[0])]
+    by_coordinate: dict[int, list[tuple[int, ...]]] = {}
+    for t, ranks in {(t, tuple(r)) for t, r in everyone}:
+        by_coordinate.setdefault(t, []).append(ranks)
+    if sorted(by_coordinate) != list(range(tp)) or len({len(v) for v in by_coordinate.values()}) != 1:
+        raise ValueError(f"the pipelines do not split evenly over {tp} tensor-parallel ranks: {everyone}")
+    ordered = {t: sorted(v, key=lambda r: r[0]) for t, v in by_coordinate.items()}
+    return [list(ordered[t][i]) for i in range(len(ordered[0])) for t in range(tp)]

@@ -34,13 +34,16 @@ __all__ = ["main", "pretrain"]
 
 def _reports_loss(placement: dict[int, int] | None) -> bool:
     """Megatron-LM's ``print_rank_last``: the rank holding the last stage in the last
-    data-parallel replica reports the loss (the global last rank in Megatron's layout)."""
+    data-parallel replica, last tensor-parallel rank, reports the loss (the global last rank in
+    Megatron's layout)."""
     from megatron.core import parallel_state
 
     pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
     last_stage_rank = placement[len(placement) - 1] if placement else pp - 1
     dp_last = parallel_state.get_data_parallel_rank() == parallel_state.get_data_parallel_world_size() - 1
-    return pp_rank == last_stage_rank and dp_last
+    tp_last = (parallel_state.get_tensor_model_parallel_rank()
+               == parallel_state.get_tensor_model_parallel_world_size() - 1)
+    return pp_rank == last_stage_rank and dp_last and tp_last
 
 
 def _print_first(message: str) -> None:
@@ -63,6 +66,7 @@ def transformer_config(args):
     dtype = torch.float32
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
         ffn_hidden_size=args.ffn_hidden_size, init_method_std=args.init_method_std,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         use_cpu_initialization=on_cpu(), params_dtype=dtype, pipeline_dtype=dtype,
@@ -208,7 +212,7 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     parallel_state.initialize_model_parallel(
-        1, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size)
     torch.manual_seed(args.seed)
     mrandom.model_parallel_cuda_manual_seed(args.seed)  # on the CPU path the CPU generator is the device's
@@ -228,8 +232,8 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
                                  stages=args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1),
                                  microbatches=args.num_microbatches)
                  if args.pipeline_engine == "piper" else None)
-    chunks, config = build_model(args, _padded_vocab(tokenizer.vocab_size, args.make_vocab_size_divisible_by),
-                                 placement)
+    chunks, config = build_model(args, _padded_vocab(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by * args.tensor_model_parallel_size), placement)
     if args.pipeline_engine == "piper":
         forward_backward = piper_forward_backward(recipe=args.piper_recipe, timeout_s=args.piper_timeout,
                                                   zero=args.piper_zero, trace=args.piper_trace,
@@ -255,8 +259,10 @@ def pretrain(argv: Sequence[str] | None = None) -> list[float]:
     iteration, consumed = load_checkpoint(args, chunks, optimizer, scheduler) if args.load else (0, 0)
     if iteration:
         _print_first(f" loaded checkpoint from {args.load} at iteration {iteration}")
+    tensor = (f" x tensor {args.tensor_model_parallel_size}{' (sequence parallel)' if args.sequence_parallel else ''}"
+              if args.tensor_model_parallel_size > 1 else "")
     _print_first(f" > pipeline engine: {args.pipeline_engine}; {world} ranks = pipeline "
-                 f"{args.pipeline_model_parallel_size} x data {args.data_parallel_size}"
+                 f"{args.pipeline_model_parallel_size}{tensor} x data {args.data_parallel_size}"
                  f"{f' x virtual {args.virtual_pipeline_model_parallel_size}' if args.virtual_pipeline_model_parallel_size else ''}"
                  f"{f', ZeRO-{args.piper_zero} by Piper' if args.piper_zero else ''}"
                  f"; {args.num_microbatches} microbatches of {args.micro_batch_size}")

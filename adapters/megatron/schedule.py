@@ -45,7 +45,9 @@ from piper_plugin import (
 
 from piper_plugin.adapters.megatron.cpu import cpu_context
 from piper_plugin.adapters.megatron.errors import ArgumentError
-from piper_plugin.adapters.megatron.groups import data_parallel, hidden_shape, pipelines, plan_processes, tensor_parallel
+from piper_plugin.adapters.megatron.groups import (
+    data_parallel, hidden_shape, pipelines, plan_processes, tensor_parallel, tensor_parallel_rank,
+)
 from piper_plugin.adapters.megatron.linear import install_split_linears, stage_backward_splits
 from piper_plugin.adapters.megatron.zero import LEVELS, own_expert
 from piper_plugin.adapters.megatron.program import (
@@ -209,10 +211,12 @@ class _Engine:
         # Megatron's loss function already divides by the microbatch count; over Piper's data-parallel
         # axis the plan sums what Megatron's DDP averages (unless the loss is per token: Megatron sums)
         self.grad_scale = 1.0 if zero is None or config.calculate_per_token_loss else 1.0 / dp
-        if zero is None:
-            replicas, plan_rank = pipelines(pp_group), pp_rank
-        else:
-            replicas, plan_rank = [plan_processes(plan, pp_rank, dp_rank)], plan.grid.rank(pp_rank, dp_rank)
+        tp, tp_rank = tensor_parallel(pg_collection), tensor_parallel_rank(pg_collection)
+        if zero is None:  # every pipeline a copy of the plan, ordered (data replica, TP coordinate)
+            replicas, plan_rank = pipelines(pp_group, tp_rank, tp), pp_rank
+        else:  # one copy per TP coordinate: Piper's ZeRO over the data-parallel ranks of that coordinate
+            replicas = plan_processes(plan, pp_rank, dp_rank, tp_rank, tp)
+            plan_rank = plan.grid.rank(pp_rank, dp_rank)
         self._context = cpu_context()
         self._overlap_reduce = {s: _overlaps_reduce(c) for s, c in self.stages.items()}
         self._reduce_after = _last_backwards(plan, plan_rank)
@@ -222,7 +226,8 @@ class _Engine:
                                  optimizer_fn=None, after_task=self._after,
                                  config=ExecutorConfig(timeout_s=timeout_s, loss_scale=self.grad_scale,
                                                        track_saved_memory=trace_memory,
-                                                       replicas=tuple(tuple(r) for r in replicas)))
+                                                       replicas=tuple(tuple(r) for r in replicas),
+                                                       tensor_parallel=tp))
         self.last_stage = num_stages - 1
         self.device = next((p.device for p in chunks[0].parameters()), torch.device("cpu"))  # the aux-loss scale's
 
