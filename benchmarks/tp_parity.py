@@ -55,6 +55,9 @@ def run_cell(tmp: Path, model: str, schedule: str, replicas: int, steps: int, to
         runs[engine] = run_titan(config, engine, dump_folder=folder, nproc=nproc, steps=steps, timeout_s=1200,
                                  extra=[*base, *flags, "--piper.dump_state", str(dumps[engine]), *tail])
     reference, run = runs["torch"], runs["piper"]
+    if run.ok and "Piper: recipe" not in run.log:  # the flag fell back to TorchTitan's engine
+        run.returncode = 1
+        run.log += "\nthe Piper engine did not run (no 'Piper: recipe' line)"
     row = dict(model=model, schedule=schedule, ranks=nproc, loss=float("inf"), grad_norm=float("inf"),
                params=float("inf"), grads=float("inf"), ok=False, error="")
     if not (reference.ok and run.ok):

@@ -1,0 +1,122 @@
+"""Megatron's tensor (and sequence) parallelism inside the stages, with the Piper engine running
+the pipeline: the shipped entry with Megatron-LM's flags under both engines.
+
+Forked gloo ranks (pipeline 2 x tensor 2, 4 ranks; 8 with data parallel 2), dropout off so both
+engines see the same arithmetic: every iteration's loss and grad norm as Megatron-LM's log line
+prints them must agree. A checkpoint the Piper engine saved at tp=2 resumes under Megatron's engine
+with the iterations the Piper run logged. The argument checks: ``tests/test_bad_input.py`` and the
+fast test here.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from forkserver_ranks import run_ranks
+from piper_plugin.adapters.megatron.errors import ArgumentError
+from piper_plugin.adapters.megatron.arguments import parse_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--log-interval", "1", "--seed", "7", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+        "--sequence-parallel"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+_LINE = re.compile(r" iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
+
+
+def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PIPER_CACHE": cache,
+                       "OMP_NUM_THREADS": "1"})
+    import contextlib
+    import io
+
+    log = io.StringIO()
+    try:
+        from piper_plugin.adapters.megatron.pretrain_gpt import pretrain
+
+        with contextlib.redirect_stdout(log):
+            pretrain(argv)
+        report = {"lines": {int(m[1]): (float(m[2]), float(m[3])) for m in _LINE.finditer(log.getvalue())},
+                  "log": log.getvalue()}
+    except BaseException as exc:  # noqa: BLE001 - the test shows the rank's error
+        import traceback
+
+        report = {"error": f"rank {rank}: {exc!r}\n{traceback.format_exc()}"}
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.put((rank, report))
+
+
+def _iterations(world: int, argv: list[str], cache) -> tuple[dict[int, tuple[float, float]], str]:
+    """iteration -> (lm loss, grad norm) from the one rank that reports (Megatron-LM's last rank),
+    and every rank's log."""
+    reports = run_ranks(_rank, world, world, argv, str(cache), timeout_s=300)
+    errors = [r["error"] for r in reports.values() if "error" in r]
+    assert not errors, errors[0]
+    reporting = [r for _, r in sorted(reports.items()) if r["lines"]]
+    assert len(reporting) == 1, [sorted(r["lines"]) for r in reports.values()]
+    return reporting[0]["lines"], "".join(r["log"] for _, r in sorted(reports.items()))
+
+
+def _close(a: dict, b: dict, rel: float = 1e-5) -> bool:
+    return a.keys() == b.keys() and all(x == pytest.approx(y, rel=rel, abs=0) for k in a for x, y in zip(a[k], b[k]))
+
+
+def test_tensor_parallel_arguments_are_checked_before_any_rank_starts():
+    base = ["--train-iters", "2", "--lr", "1e-3", "--num-layers", "4", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+            "--pipeline-model-parallel-size", "2"]
+    args = parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 8)
+    assert args.data_parallel_size == 2
+    with pytest.raises(ArgumentError, match=r"--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"):
+        parse_args(base + ["--tensor-model-parallel-size", "3"], 6)
+    with pytest.raises(ArgumentError, match=r"--pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2 "
+                                            r"does not divide the 6 ranks"):
+        parse_args(base + ["--tensor-model-parallel-size", "2"], 6)
+    with pytest.raises(ArgumentError, match=r"--sequence-parallel splits the sequence"):
+        parse_args(base + ["--sequence-parallel"], 2)
+    with pytest.raises(ArgumentError, match=r"does not divide --seq-length 31"):
+        parse_args(base + ["--seq-length", "31", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 4)
+    with pytest.raises(ArgumentError, match=r"Megatron's MoE layers need --sequence-parallel"):
+        parse_args(base + ["--tensor-model-parallel-size", "2", *MOE], 4)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_sequence_parallel_1f1b_matches_megatron_and_its_checkpoint_resumes_under_megatron(tmp_path):
+    argv = BASE + ["--global-batch-size", "8", "--train-iters", "4"]
+    megatron, _ = _iterations(4, argv + ["--pipeline-engine=megatron"], tmp_path)
+    ckpt = tmp_path / "ckpt"
+    piper, log = _iterations(4, argv + ["--pipeline-engine=piper", "--save", str(ckpt), "--save-interval", "2"],
+                             tmp_path)
+    assert "pipeline 2 x tensor 2 (sequence parallel) x data 1" in log, log
+    assert sorted(piper) == [1, 2, 3, 4] and _close(piper, megatron), (piper, megatron)
+    assert sorted(p.name for p in (ckpt / "iter_0000002").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # as if the Piper run had stopped there
+    resumed, _ = _iterations(4, argv + ["--pipeline-engine=megatron", "--load", str(ckpt)], tmp_path)
+    assert sorted(resumed) == [3, 4] and _close(resumed, {k: piper[k] for k in (3, 4)}), (resumed, piper)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_interleaved_moe_matches_megatron(tmp_path):
+    argv = BASE + MOE + ["--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+                         "--train-iters", "3"]
+    megatron, _ = _iterations(4, argv + ["--pipeline-engine=megatron"], tmp_path)
+    piper, _ = _iterations(4, argv + ["--pipeline-engine=piper"], tmp_path)
+    assert sorted(piper) == [1, 2, 3] and _close(piper, megatron), (piper, megatron)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_dp2_piper_zero2_matches_megatron(tmp_path):
+    """8 ranks: Piper's ZeRO-2 over the data-parallel pair of each TP coordinate's local shards
+    against Megatron's DDP."""
+    argv = BASE + ["--global-batch-size", "16", "--train-iters", "3"]
+    megatron, _ = _iterations(8, argv + ["--pipeline-engine=megatron"], tmp_path)
+    piper, _ = _iterations(8, argv + ["--pipeline-engine=piper", "--piper-zero", "2"], tmp_path)
+    assert sorted(piper) == [1, 2, 3] and _close(piper, megatron), (piper, megatron)
