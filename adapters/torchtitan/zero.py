@@ -50,15 +50,16 @@ def zero_level(parallelism, options, shard_degree: int) -> int | None:
 
 def check_parallelism(parallel_dims, zero: int | None = None, alternate: bool = False) -> None:
     """The meshes Piper's engine runs: pp x dp_shard (ZeRO), pp x dp_replicate, or both (HSDP:
-    ZeRO over each replica's shards, the gradients summed over the replicas); and expert
-    parallelism over the whole dp_shard group (TorchTitan's ep borrowed from it)."""
+    ZeRO over each replica's shards, the gradients summed over the replicas); expert
+    parallelism over the whole dp_shard group (TorchTitan's ep borrowed from it); TorchTitan's
+    tensor parallelism in the stages (:mod:`.tensor_parallel` says with what)."""
     unsupported = [(flag, degree) for flag, degree in (
         ("context_parallel_degree", parallel_dims.cp),) if degree > 1]
     if unsupported:
         flags = ", ".join(f"--parallelism.{flag} {degree}" for flag, degree in unsupported)
-        raise FlagError(f"{flags}: the Piper engine runs pipeline x data x expert parallelism (ZeRO over "
+        raise FlagError(f"{flags}: the Piper engine runs pipeline x data x expert x tensor parallelism (ZeRO over "
                         f"data_parallel_shard_degree, replicated by data_parallel_replicate_degree, experts over "
-                        f"expert_parallel_degree); set "
+                        f"expert_parallel_degree, TorchTitan's TP in the stages), not yet context parallelism; set "
                         f"{', '.join(f'--parallelism.{flag} 1' for flag, _ in unsupported)} or use "
                         f"--parallelism.pipeline_engine torch")
     ep = parallel_dims.ep
