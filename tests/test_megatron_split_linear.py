@@ -133,3 +133,80 @@ def test_split_linears_equal_megatrons_and_split_without_repeating_work():
     assert report["repeats"] == {"piper": False, "megatron": True}
     assert report["routed"]
     assert report["fallback"] == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
+
+
+def _tp_rank(rank: int, port: int, sequence_parallel: bool, out) -> None:
+    try:
+        report = _tp_checks(rank, port, sequence_parallel)
+    except BaseException as exc:  # noqa: BLE001 - the test sees the rank's error
+        import traceback
+
+        report = {"error": f"{exc!r}\n{traceback.format_exc()}"}
+    out.put((rank, report))
+
+
+def _tp_checks(rank: int, port: int, sequence_parallel: bool) -> dict:
+    """Tensor parallel 2 (with or without sequence parallelism): a block's input gradient and
+    every local weight gradient through SplitLinear, full and split, against Megatron's Function."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from piper_plugin.adapters.megatron import apply_cpu_fixes
+
+    apply_cpu_fixes()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from piper_plugin.adapters.megatron.linear import install_split_linears, stage_backward_splits
+    from piper_plugin.autograd.split_backward import backward_input
+
+    parallel_state.initialize_model_parallel(2, 1)
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    def block():
+        torch.manual_seed(0)
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                                   attention_dropout=0.0, use_cpu_initialization=True, add_bias_linear=True,
+                                   tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
+        return TransformerBlock(config, get_gpt_layer_local_spec(), pre_process=True, post_process=False)
+
+    megatron, piper = block(), block()
+    install_split_linears(piper)
+    torch.manual_seed(1)
+    x, g = torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    if sequence_parallel:  # each TP rank holds its slice of the sequence
+        x, g = x.chunk(2)[rank].contiguous(), g.chunk(2)[rank].contiguous()
+
+    def run(module, split: bool):
+        module.zero_grad(set_to_none=True)
+        inp = x.clone().requires_grad_(True)
+        out = module(inp, attention_mask=None)
+        if split:
+            (grad_input,), pending = backward_input([out], [g], [inp])
+            pending.run()
+        else:
+            out.backward(g)
+            grad_input = inp.grad
+        return out.detach(), grad_input, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    ref, full, split = run(megatron, False), run(piper, False), run(piper, True)
+    same = lambda a, b: bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # noqa: E731
+                             and a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2]))
+    report = {"splits": stage_backward_splits(piper), "equal_full": same(ref, full), "equal_split": same(ref, split)}
+    dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_split_linears_under_tensor_parallelism_equal_megatrons(sequence_parallel):
+    reports = run_ranks(_tp_rank, 2, sequence_parallel)
+    for rank, report in sorted(reports.items()):
+        assert "error" not in report, report["error"]
+        assert report == {"splits": True, "equal_full": True, "equal_split": True}, (rank, report)

@@ -10,6 +10,7 @@ fast test here.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 
 import pytest
@@ -88,7 +89,7 @@ def test_tensor_parallel_arguments_are_checked_before_any_rank_starts():
 
 
 @pytest.mark.slow
-def test_pp2_tp2_sequence_parallel_1f1b_matches_megatron_and_its_checkpoint_resumes_under_megatron(tmp_path):
+def test_pp2_tp2_sequence_parallel_1f1b_and_zb_h1_match_megatron_and_a_checkpoint_resumes_under_megatron(tmp_path):
     argv = BASE + ["--global-batch-size", "8", "--train-iters", "4"]
     megatron, _ = _iterations(4, argv + ["--pipeline-engine=megatron"], tmp_path)
     ckpt = tmp_path / "ckpt"
@@ -98,6 +99,15 @@ def test_pp2_tp2_sequence_parallel_1f1b_matches_megatron_and_its_checkpoint_resu
     assert sorted(piper) == [1, 2, 3, 4] and _close(piper, megatron), (piper, megatron)
     assert sorted(p.name for p in (ckpt / "iter_0000002").iterdir()) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    # ZB-H1 splits every backward into input and weight passes through SplitLinear's TP communication
+    trace = tmp_path / "trace"
+    split, _ = _iterations(4, argv + ["--pipeline-engine=piper", "--piper-recipe", "zb-h1", "--piper-trace",
+                                      str(trace)], tmp_path)
+    assert _close(split, megatron), (split, megatron)
+    program = pickle.loads((trace / "program.pkl").read_bytes())  # the plan's stages split their backward
+    assert {r.backward_splits for r in program.regions.values()} == {True}
+    for rank in range(4):  # and every TP rank of both stages ran its weight passes
+        assert re.search(r'"compute", "\dBW\d', (trace / f"rank{rank}.json").read_text()), rank
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # as if the Piper run had stopped there
     resumed, _ = _iterations(4, argv + ["--pipeline-engine=megatron", "--load", str(ckpt)], tmp_path)
     assert sorted(resumed) == [3, 4] and _close(resumed, {k: piper[k] for k in (3, 4)}), (resumed, piper)

@@ -12,13 +12,15 @@ hands the weight and bias gradients' work to the pass (``defers_weight_grads``,
 
 Invariants:
 - :func:`install_split_linears` routes a layer's calls to :class:`SplitLinear` only where
-  Megatron's Function communicates nothing and accumulates nothing itself: no tensor-parallel
-  all-reduce of the input gradient, no sequence parallelism, no fused gradient accumulation, no
-  deferred weight-gradient buffer, a trainable weight. Every other call runs Megatron's own.
+  Megatron's Function accumulates nothing itself: no fused gradient accumulation, no deferred
+  weight-gradient buffer, a trainable weight. Every other call runs Megatron's own. Its
+  tensor-parallel communication (the input gradient all-reduced, or under sequence parallelism
+  the input all-gathered and its gradient reduce-scattered) is SplitLinear's too, in the input
+  pass only: a deferred weight pass computes locally, on the gathered input its input pass held.
 - :class:`SplitLinear` computes Megatron's kernels on Megatron's tensors in Megatron's order
   (forward ``input @ weight.T + bias``; backward ``grad @ weight``, then the weight gradient on
-  the 2-D views ``grad.T @ input`` and the bias gradient ``grad.sum(0)``): its results equal
-  Megatron's Function's bit for bit, split or not.
+  the 2-D views ``grad.T @ input`` and the bias gradient ``grad.sum(0)``), with Megatron's
+  collectives: its results equal Megatron's Function's bit for bit, split or not.
 """
 from __future__ import annotations
 
@@ -36,20 +38,26 @@ _MARK = "_piper_split_linear"
 
 
 class SplitLinear(torch.autograd.Function):
-    """``input @ weight.T (+ bias)``; its backward returns only the gradients the autograd
-    engine will execute in the current pass (``backward_splits``: split_backward's mark for a
-    Function whose weight pass does not repeat its input pass), and in a split's input pass
-    that cleared this node it defers the weight and bias gradients to the weight pass."""
+    """``input @ weight.T (+ bias)``, with Megatron's tensor-parallel communication: under
+    sequence parallelism the input is all-gathered over ``tp_group`` first; in backward the
+    input gradient is all-reduced (``allreduce_dgrad``) or reduce-scattered (sequence parallel)
+    over it. Its backward returns only the gradients the autograd engine will execute in the
+    current pass (``backward_splits``: split_backward's mark for a Function whose weight pass
+    does not repeat its input pass), and in a split's input pass that cleared this node it
+    defers the weight and bias gradients to the weight pass, holding what they need (the
+    gathered input under sequence parallelism: the weight pass communicates nothing)."""
 
     backward_splits = True
     defers_weight_grads = True
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, input, weight, bias):
+    def forward(ctx, input, weight, bias, allreduce_dgrad=False, sequence_parallel=False, tp_group=None):
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
-        output = torch.matmul(input, weight.t())
+        ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = allreduce_dgrad, sequence_parallel, tp_group
+        total_input = _gathered(input, tp_group) if sequence_parallel else input
+        output = torch.matmul(total_input, weight.t())
         if bias is not None:
             output = output + bias
         return output
@@ -58,20 +66,43 @@ class SplitLinear(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        # the nodes the gradients go to (None: no gradient; no entry for a bias of None); the
+        # the nodes the gradients of input, weight and bias go to (None: no gradient); the
         # engine says which will run
-        nodes = [node for node, _ in ctx.next_functions] + [None] * (3 - len(ctx.next_functions))
+        nodes = ([node for node, _ in ctx.next_functions] + [None] * 3)[:3]
         wanted = [node is not None and will_execute(node) for node in nodes]
-        grad_input = grad_output.matmul(weight) if wanted[0] else None
         store = deferred_weight_grads(ctx)
-        if store is not None and not (wanted[1] or wanted[2]):  # a split's input pass: BW computes them
+        defer = store is not None and not (wanted[1] or wanted[2])  # a split's input pass: BW computes them
+        weights_now = wanted[1] or (ctx.use_bias and wanted[2])
+        total_input = _gathered(input, ctx.tp_group) if ctx.sequence_parallel and (defer or weights_now) else input
+        grad_input = grad_output.matmul(weight) if wanted[0] else None
+        if grad_input is not None and ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        if grad_input is not None and ctx.sequence_parallel:
+            from megatron.core.tensor_parallel.layers import dist_reduce_scatter_func
+
+            shard = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+            dist_reduce_scatter_func(shard, grad_input, group=ctx.tp_group)
+            grad_input = shard
+        rest = (None, None, None)  # allreduce_dgrad, sequence_parallel, tp_group
+        if defer:
             # one gradient per existing edge: _weight_grads gives None exactly where there is none
             store.defer([GradientEdge(*ctx.next_functions[i]) for i in (1, 2) if nodes[i] is not None],
-                        lambda: [g for g in _weight_grads(grad_output, input, nodes[1] is not None, nodes[2] is not None)
-                                 if g is not None],
-                        holds=[grad_output])
-            return grad_input, None, None
-        return (grad_input, *_weight_grads(grad_output, input, wanted[1], ctx.use_bias and wanted[2]))
+                        lambda: [g for g in _weight_grads(grad_output, total_input, nodes[1] is not None,
+                                                          nodes[2] is not None) if g is not None],
+                        holds=[grad_output, total_input])
+            return grad_input, None, None, *rest
+        return (grad_input, *_weight_grads(grad_output, total_input, wanted[1], ctx.use_bias and wanted[2]), *rest)
+
+
+def _gathered(input: torch.Tensor, tp_group) -> torch.Tensor:
+    """``input`` all-gathered along its first (sequence) dimension over ``tp_group``, into a tensor
+    of its own (Megatron gathers into a shared buffer the next layer reuses; a deferred weight
+    pass holds this one)."""
+    from megatron.core.tensor_parallel.layers import dist_all_gather_func
+
+    out = torch.empty((input.shape[0] * tp_group.size(), *input.shape[1:]), dtype=input.dtype, device=input.device)
+    dist_all_gather_func(out, input.contiguous(), group=tp_group)
+    return out
 
 
 def _weight_grads(grad_output, input, weight: bool, bias: bool) -> tuple:
@@ -87,15 +118,18 @@ def _weight_grads(grad_output, input, weight: bool, bias: bool) -> tuple:
 
 def _forward_impl(original, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                   sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None, **rest):
-    """A layer's ``_forward_impl``: :class:`SplitLinear` where Megatron's Function would do plain
-    arithmetic (module doc), else Megatron's own."""
-    if (gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
-            or not weight.requires_grad or rest):
+    """A layer's ``_forward_impl``: :class:`SplitLinear` where Megatron's Function would do its
+    arithmetic and its tensor-parallel communication only (module doc), else Megatron's own."""
+    if gradient_accumulation_fusion or grad_output_buffer is not None or not weight.requires_grad or rest:
         return original(input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                         allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                         grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
                         tp_group=tp_group, **rest)
-    return SplitLinear.apply(input, weight, bias)
+    if (allreduce_dgrad or sequence_parallel) and tp_group is None:
+        from megatron.core import parallel_state
+
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    return SplitLinear.apply(input, weight, bias, bool(allreduce_dgrad), bool(sequence_parallel), tp_group)
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -109,9 +143,7 @@ def _splits(module: nn.Module) -> bool:
     conditions of :func:`_forward_impl`, read from the layer)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    tp_group = getattr(module, "tp_group", None)
-    tp = tp_group.size() if tp_group is not None else 1
-    return not (module.gradient_accumulation_fusion or module.sequence_parallel or tp > 1
+    return not (module.gradient_accumulation_fusion
                 or (isinstance(module, ColumnParallelLinear) and module.config.defer_embedding_wgrad_compute))
 
 
