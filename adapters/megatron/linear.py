@@ -73,15 +73,22 @@ class SplitLinear(torch.autograd.Function):
         store = deferred_weight_grads(ctx)
         defer = store is not None and not (wanted[1] or wanted[2])  # a split's input pass: BW computes them
         weights_now = wanted[1] or (ctx.use_bias and wanted[2])
-        total_input = _gathered(input, ctx.tp_group) if ctx.sequence_parallel and (defer or weights_now) else input
+        # Megatron's order and overlap: the input's all-gather runs under the input-gradient product,
+        # the input gradient's reduction under the weight-gradient products
+        total_input, gather = input, None
+        if ctx.sequence_parallel and (defer or weights_now):
+            total_input, gather = _gathered(input, ctx.tp_group, async_op=True)
         grad_input = grad_output.matmul(weight) if wanted[0] else None
+        if gather is not None:
+            gather.wait()
+        reduction = None
         if grad_input is not None and ctx.allreduce_dgrad:
-            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+            reduction = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
         if grad_input is not None and ctx.sequence_parallel:
             from megatron.core.tensor_parallel.layers import dist_reduce_scatter_func
 
             shard = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-            dist_reduce_scatter_func(shard, grad_input, group=ctx.tp_group)
+            reduction = dist_reduce_scatter_func(shard, grad_input, group=ctx.tp_group, async_op=True)
             grad_input = shard
         rest = (None, None, None)  # allreduce_dgrad, sequence_parallel, tp_group
         if defer:
@@ -90,19 +97,23 @@ class SplitLinear(torch.autograd.Function):
                         lambda: [g for g in _weight_grads(grad_output, total_input, nodes[1] is not None,
                                                           nodes[2] is not None) if g is not None],
                         holds=[grad_output, total_input])
-            return grad_input, None, None, *rest
-        return (grad_input, *_weight_grads(grad_output, total_input, wanted[1], ctx.use_bias and wanted[2]), *rest)
+            weight_grads = (None, None)
+        else:
+            weight_grads = _weight_grads(grad_output, total_input, wanted[1], ctx.use_bias and wanted[2])
+        if reduction is not None:
+            reduction.wait()
+        return (grad_input, *weight_grads, *rest)
 
 
-def _gathered(input: torch.Tensor, tp_group) -> torch.Tensor:
+def _gathered(input: torch.Tensor, tp_group, async_op: bool = False):
     """``input`` all-gathered along its first (sequence) dimension over ``tp_group``, into a tensor
     of its own (Megatron gathers into a shared buffer the next layer reuses; a deferred weight
-    pass holds this one)."""
+    pass holds this one); with ``async_op``, (tensor, work to wait for)."""
     from megatron.core.tensor_parallel.layers import dist_all_gather_func
 
     out = torch.empty((input.shape[0] * tp_group.size(), *input.shape[1:]), dtype=input.dtype, device=input.device)
-    dist_all_gather_func(out, input.contiguous(), group=tp_group)
-    return out
+    work = dist_all_gather_func(out, input.contiguous(), group=tp_group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _weight_grads(grad_output, input, weight: bool, bias: bool) -> tuple:
