@@ -18,6 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from test_public_api import _type_checking_blocks  # ids of imports only annotations see
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ("piper_plugin", "adapters", "recipes", "benchmarks", "tests")
 
@@ -38,19 +40,10 @@ def declared_distributions(pyproject: Path = ROOT / "pyproject.toml") -> dict[st
     return out
 
 
-def _type_checking_ids(tree: ast.AST) -> set[int]:
-    """ids of nodes under ``if TYPE_CHECKING:`` (never executed)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
-            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return out
-
-
 def imported_top_levels(path: Path):
     """(line, top-level name) of every executed absolute import in ``path``."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_ids(tree)
+    skip = _type_checking_blocks(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
             continue

@@ -32,7 +32,7 @@ def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) ->
         from piper_plugin.adapters.megatron.pretrain_gpt import pretrain
 
         with contextlib.redirect_stdout(log):
-            report = {"losses": pretrain(argv), "validation": _validation(log.getvalue())}
+            report = {"losses": pretrain(argv), "validation": _validation(log.getvalue()), "log": log.getvalue()}
     except BaseException as exc:  # noqa: BLE001 - the test shows the rank's error
         import traceback
 

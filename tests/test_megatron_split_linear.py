@@ -35,6 +35,32 @@ def _block(moe: bool = False, recompute: bool = False):
     return TransformerBlock(config, spec, pre_process=True, post_process=False)
 
 
+def _step(block, x, g, split: bool, mode=None):
+    """One forward of ``block`` on ``x`` and a backward from ``g``, whole or split into input and
+    weight passes (under the dispatch ``mode`` if given): (output, input gradient, gradients)."""
+    import contextlib
+
+    from piper_plugin.autograd.split_backward import backward_input
+
+    block.zero_grad(set_to_none=True)
+    inp = x.clone().requires_grad_(True)
+    out = block(inp, attention_mask=None)
+    with mode if mode is not None else contextlib.nullcontext():
+        if split:
+            (grad_input,), pending = backward_input([out], [g], [inp])
+            pending.run()
+        else:
+            out.backward(g)
+            grad_input = inp.grad
+    return out.detach(), grad_input, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+def _graph(block, x):
+    """A fresh forward's ([output], [input]) for questions about its backward graph."""
+    inp = x.clone().requires_grad_(True)
+    return [block(inp, attention_mask=None)], [inp]
+
+
 def _checks(port: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -50,7 +76,7 @@ def _checks(port: int) -> dict:
     from megatron.core.tensor_parallel import random as mrandom
 
     from piper_plugin.adapters.megatron.linear import SplitLinear, install_split_linears, stage_backward_splits
-    from piper_plugin.autograd.split_backward import backward_input, weight_pass_repeats_work
+    from piper_plugin.autograd.split_backward import weight_pass_repeats_work
 
     parallel_state.initialize_model_parallel(1, 1)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -81,18 +107,9 @@ def _checks(port: int) -> dict:
     g = torch.randn(8, 2, 32)
 
     def run(block, split: bool):
-        block.zero_grad(set_to_none=True)
-        inp = x.clone().requires_grad_(True)
-        out = block(inp, attention_mask=None)
-        with CountMatmuls() as counter:
-            if split:
-                (grad_input,), pending = backward_input([out], [g], [inp])
-                pending.run()
-            else:
-                out.backward(g)
-                grad_input = inp.grad
-        grads = {n: p.grad.clone() for n, p in block.named_parameters()}
-        return out.detach(), grad_input, grads, counter.count, weight_pass_repeats_work([out], [inp])
+        counter = CountMatmuls()
+        out, grad_input, grads = _step(block, x, g, split, counter)
+        return out, grad_input, grads, counter.count, weight_pass_repeats_work(*_graph(block, x))
 
     ref = run(megatron, split=False)
     routed = run(piper, split=False)
@@ -164,7 +181,6 @@ def _tp_checks(rank: int, port: int, sequence_parallel: bool) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from piper_plugin.adapters.megatron.linear import install_split_linears, stage_backward_splits
-    from piper_plugin.autograd.split_backward import backward_input
 
     parallel_state.initialize_model_parallel(2, 1)
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -183,19 +199,7 @@ def _tp_checks(rank: int, port: int, sequence_parallel: bool) -> dict:
     if sequence_parallel:  # each TP rank holds its slice of the sequence
         x, g = x.chunk(2)[rank].contiguous(), g.chunk(2)[rank].contiguous()
 
-    def run(module, split: bool):
-        module.zero_grad(set_to_none=True)
-        inp = x.clone().requires_grad_(True)
-        out = module(inp, attention_mask=None)
-        if split:
-            (grad_input,), pending = backward_input([out], [g], [inp])
-            pending.run()
-        else:
-            out.backward(g)
-            grad_input = inp.grad
-        return out.detach(), grad_input, {n: p.grad.clone() for n, p in module.named_parameters()}
-
-    ref, full, split = run(megatron, False), run(piper, False), run(piper, True)
+    ref, full, split = (_step(megatron, x, g, False), _step(piper, x, g, False), _step(piper, x, g, True))
     same = lambda a, b: bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # noqa: E731
                              and a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2]))
     report = {"splits": stage_backward_splits(piper), "equal_full": same(ref, full), "equal_split": same(ref, split)}

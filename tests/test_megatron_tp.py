@@ -9,13 +9,13 @@ fast test here.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import re
 
 import pytest
 
 from forkserver_ranks import run_ranks
+from test_megatron_entry import _rank  # a rank running the entry's pretrain, its log in the report
 from piper_plugin.adapters.megatron.errors import ArgumentError
 from piper_plugin.adapters.megatron.arguments import parse_args
 
@@ -27,42 +27,17 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "
 _LINE = re.compile(r" iteration +(\d+)/ *\d+ \|.*? lm loss: (\S+) \|.*? grad norm: (\S+) \|")
 
 
-def _rank(rank: int, port: int, world: int, argv: list[str], cache: str, out) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PIPER_CACHE": cache,
-                       "OMP_NUM_THREADS": "1"})
-    import contextlib
-    import io
-
-    log = io.StringIO()
-    try:
-        from piper_plugin.adapters.megatron.pretrain_gpt import pretrain
-
-        with contextlib.redirect_stdout(log):
-            pretrain(argv)
-        report = {"lines": {int(m[1]): (float(m[2]), float(m[3])) for m in _LINE.finditer(log.getvalue())},
-                  "log": log.getvalue()}
-    except BaseException as exc:  # noqa: BLE001 - the test shows the rank's error
-        import traceback
-
-        report = {"error": f"rank {rank}: {exc!r}\n{traceback.format_exc()}"}
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    out.put((rank, report))
-
-
 def _iterations(world: int, argv: list[str], cache) -> tuple[dict[int, tuple[float, float]], str]:
     """iteration -> (lm loss, grad norm) from the one rank that reports (Megatron-LM's last rank),
     and every rank's log."""
     reports = run_ranks(_rank, world, world, argv, str(cache), timeout_s=300)
     errors = [r["error"] for r in reports.values() if "error" in r]
     assert not errors, errors[0]
-    reporting = [r for _, r in sorted(reports.items()) if r["lines"]]
-    assert len(reporting) == 1, [sorted(r["lines"]) for r in reports.values()]
-    return reporting[0]["lines"], "".join(r["log"] for _, r in sorted(reports.items()))
+    lines = {rank: {int(m[1]): (float(m[2]), float(m[3])) for m in _LINE.finditer(r["log"])}
+             for rank, r in reports.items()}
+    reporting = [v for _, v in sorted(lines.items()) if v]
+    assert len(reporting) == 1, {rank: sorted(v) for rank, v in lines.items()}
+    return reporting[0], "".join(r["log"] for _, r in sorted(reports.items()))
 
 
 def _close(a: dict, b: dict, rel: float = 1e-5) -> bool:

@@ -51,13 +51,15 @@ def test_an_expert_degree_that_does_not_divide_the_experts_is_refused_with_the_d
      "--parallelism.module_fqns_per_model_part leaves layers.3, layers.4, layers.5 in no stage"),
     (2, ["--parallelism.pipeline_parallel_degree", "2", "--profiler.enable_memory_snapshot"],
      "--profiler.enable_memory_snapshot records the CUDA caching allocator's history"),
+    (4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "3"],
+     "--parallelism degrees pipeline_parallel 2 x tensor_parallel 3 make 6 ranks but the job has 4"),
     (1, ["--training.no-disable-cuda-graphs"],  # with pp > 1 TorchTitan's own config check refuses it first
      "--training.no-disable-cuda-graphs asks for CUDA graph capture"),
     (2, ["--config", "llama3_debugmodel_float8_pp2_1f1b"],  # the last --config counts
      # torchao's float8 refuses a CPU (TorchTitan's converter), or is not installed
      "TorchTitan's config llama3_debugmodel_float8 cannot be built here: "),
 ], ids=["ep-without-moe", "dualpipev-odd-stages", "stage-names-a-missing-module", "stage-modules-left-out",
-        "cuda-memory-snapshot-on-cpu", "cuda-graphs-on-cpu",
+        "cuda-memory-snapshot-on-cpu", "tp-degrees-not-the-world", "cuda-graphs-on-cpu",
         "float8-on-cpu"])
 def test_a_refused_flag_ends_the_job_in_one_line(tmp_path, nproc, flags, expected):
     from titan_fork import run_titan_forked

@@ -143,8 +143,9 @@ def validate(args: argparse.Namespace, world: int) -> None:
     _check_tensor_parallel(args, tp)
     pp, vpp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     if world % (pp * tp):
-        raise ArgumentError(f"--pipeline-model-parallel-size {pp} x --tensor-model-parallel-size {tp} does not divide "
-                            f"the {world} ranks; launch a multiple of {pp * tp} ranks (--nproc_per_node)")
+        sizes = f"--pipeline-model-parallel-size {pp}" + (f" x --tensor-model-parallel-size {tp}" if tp > 1 else "")
+        raise ArgumentError(f"{sizes} does not divide the {world} ranks; launch a multiple of {pp * tp} ranks "
+                            f"(--nproc_per_node)")
     dp = world // (pp * tp)
     if args.data_parallel_size is not None and args.data_parallel_size != dp:
         raise ArgumentError(f"--data-parallel-size {args.data_parallel_size}: {world} ranks / (pipeline {pp} x tensor "

@@ -155,30 +155,29 @@ def _drop_in(name: str, base: str, schedule: str, zero: int | None = None) -> Ca
 
 
 def _ep_drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
-    _stock_config_fn(base)  # fail now, naming the missing stock config
-
-    def config_fn() -> PiperTrainer.Config:
-        config = _pp2(base, SCHEDULES[schedule], zero=2, seq_len=64)
-        config.parallelism.expert_parallel_degree = 2
-        return config
-
-    config_fn.__name__ = config_fn.__qualname__ = name
-    config_fn.__doc__ = (f"TorchTitan's {base}, 2 pipeline x 2 ranks with the experts split over them (and "
-                         f"ZeRO-2 for the rest), {SCHEDULES[schedule]} run by Piper.")
-    return config_fn
+    return _degree_drop_in(name, base, schedule, "expert_parallel_degree", zero=2, doc=(
+        f"TorchTitan's {base}, 2 pipeline x 2 ranks with the experts split over them (and ZeRO-2 for the rest), "
+        f"{SCHEDULES[schedule]} run by Piper."))
 
 
 def _tp_drop_in(name: str, base: str, schedule: str) -> Callable[[], PiperTrainer.Config]:
+    return _degree_drop_in(name, base, schedule, "tensor_parallel_degree", zero=None, doc=(
+        f"TorchTitan's {base}, 2 pipeline x 2 tensor-parallel ranks (TorchTitan's TP and sequence parallelism "
+        f"inside each stage), {SCHEDULES[schedule]} run by Piper."))
+
+
+def _degree_drop_in(name: str, base: str, schedule: str, degree: str, *, zero: int | None,
+                    doc: str) -> Callable[[], PiperTrainer.Config]:
+    """A 4-rank drop-in: 2 pipeline ranks x 2 along ``parallelism.<degree>``, seq 64."""
     _stock_config_fn(base)  # fail now, naming the missing stock config
 
     def config_fn() -> PiperTrainer.Config:
-        config = _pp2(base, SCHEDULES[schedule], seq_len=64)
-        config.parallelism.tensor_parallel_degree = 2
+        config = _pp2(base, SCHEDULES[schedule], zero=zero, seq_len=64)
+        setattr(config.parallelism, degree, 2)
         return config
 
     config_fn.__name__ = config_fn.__qualname__ = name
-    config_fn.__doc__ = (f"TorchTitan's {base}, 2 pipeline x 2 tensor-parallel ranks (TorchTitan's TP and "
-                         f"sequence parallelism inside each stage), {SCHEDULES[schedule]} run by Piper.")
+    config_fn.__doc__ = doc
     return config_fn
 
 
