@@ -26,7 +26,8 @@ nothing else from the engine.
   it measured them :func:`with_measured_memory`, a plan predicted with both
   :func:`predict_plan` and said in a line :func:`prediction_line`
 - run one rank, driven by a host: :class:`Executor` with :class:`ExecutorConfig` (it checks
-  the plan hash across ranks as it starts; :func:`check_plan_hash` does so earlier);
+  the plan hash across ranks as it starts; :func:`check_plan_hash` does so earlier; a host
+  running copies of a plan per data replica and TP coordinate lists them with :func:`plan_copies`);
   :class:`ValueSpec` is the shape of a value crossing ranks (:func:`probe_values` finds them);
   :func:`stitch` makes whole parameters (or gradients) by name from every rank's pieces;
   :class:`ParamList` is what an ``optimizer_fn`` receives (the parameters, ``.named()``);
@@ -52,7 +53,7 @@ from piper_plugin.scheduler.cost import CostModel
 from piper_plugin.scheduler.simulate import SimResult, simulate
 from piper_plugin.compiler import Compiled, compile, compile_program
 from piper_plugin import recipes
-from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch, check_plan_hash
+from piper_plugin.runtime.executor import Executor, ExecutorConfig, PlanMismatch, check_plan_hash, plan_copies
 from piper_plugin.runtime.pieces import stitch
 from piper_plugin.runtime.paused_forward import HandOffError, PausedForward, hand_off
 from piper_plugin.runtime.optimizers import ParamList
@@ -81,7 +82,7 @@ __all__ = [
     "measured_result", "measured_costs", "write_trace", "overlap_blocks", "block_overlap",
     "StepTrace", "TracedSteps", "read_step_traces", "cost_model", "read_profile", "with_measured_memory",
     "predict_plan", "prediction_line",
-    "Executor", "ExecutorConfig", "check_plan_hash", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
+    "Executor", "ExecutorConfig", "check_plan_hash", "plan_copies", "ValueSpec", "probe_values", "stitch", "ParamList", "MemoryMeter",
     "PausedForward", "hand_off", "HandOffError",
     "Job", "Worker", "run", "RunResult", "start_ray", "HostRank", "launch_host",
     "run_in_emulated_link", "inside_link", "link_bits_per_second",

@@ -11,6 +11,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
+from piper_plugin import plan_copies
+
 from piper_plugin.adapters.megatron.errors import ArgumentError
 
 __all__ = ["hidden_shape", "tensor_parallel", "tensor_parallel_rank", "data_parallel", "plan_processes", "pipelines"]
@@ -72,16 +74,9 @@ def plan_processes(plan, pp_rank: int, dp_rank: int, tp_rank: int = 0, tp: int =
             for t in range(tp)]
 
 
-def pipelines(pp_group, tp_rank: int = 0, tp: int = 1) -> list[list[int]]:
-    """Process ranks of every pipeline (each a copy of the plan), ordered by pipeline rank; the
-    pipelines ordered (data-parallel replica, TP coordinate), TP fastest (a collective)."""
-    mine = (tp_rank, dist.get_process_group_ranks(pp_group))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    by_coordinate: dict[int, list[tuple[int, ...]]] = {}
-    for t, ranks in {(t, tuple(r)) for t, r in everyone}:
-        by_coordinate.setdefault(t, []).append(ranks)
-    if sorted(by_coordinate) != list(range(tp)) or len({len(v) for v in by_coordinate.values()}) != 1:
-        raise ValueError(f"the pipelines do not split evenly over {tp} tensor-parallel ranks: {everyone}")
-    ordered = {t: sorted(v, key=lambda r: r[0]) for t, v in by_coordinate.items()}
-    return [list(ordered[t][i]) for i in range(len(ordered[0])) for t in range(tp)]
+def pipelines(pp_rank: int, tp_rank: int) -> list[list[int]]:
+    """Process ranks of every pipeline (each a copy of the plan), by pipeline rank, the pipelines
+    ordered (data-parallel replica, TP coordinate) (:func:`piper_plugin.plan_copies`, a collective)."""
+    from megatron.core import parallel_state
+
+    return plan_copies(parallel_state.get_data_parallel_rank(), tp_rank, pp_rank)

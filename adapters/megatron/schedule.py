@@ -213,7 +213,7 @@ class _Engine:
         self.grad_scale = 1.0 if zero is None or config.calculate_per_token_loss else 1.0 / dp
         tp, tp_rank = tensor_parallel(pg_collection), tensor_parallel_rank(pg_collection)
         if zero is None:  # every pipeline a copy of the plan, ordered (data replica, TP coordinate)
-            replicas, plan_rank = pipelines(pp_group, tp_rank, tp), pp_rank
+            replicas, plan_rank = pipelines(pp_rank, tp_rank), pp_rank
         else:  # one copy per TP coordinate: Piper's ZeRO over the data-parallel ranks of that coordinate
             replicas = plan_processes(plan, pp_rank, dp_rank, tp_rank, tp)
             plan_rank = plan.grid.rank(pp_rank, dp_rank)

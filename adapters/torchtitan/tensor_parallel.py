@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-import torch.distributed as dist
+from piper_plugin import plan_copies as copies_of_plan
 
 from piper_plugin.adapters.torchtitan.flags import FlagError
 
@@ -101,19 +101,11 @@ def check_tensor_parallel(tp: int, zero: int | None, ep: int) -> None:
 
 
 def plan_copies(parallel_dims) -> list[list[int]]:
-    """Process ranks of every copy of the plan, each ordered by pipeline rank (collective),
-    the copies ordered (data-parallel replica, TP coordinate), TP fastest.
-
-    With ``data_parallel_replicate_degree`` > 1 each replica runs the same plan over its own
-    ``pp`` mesh group and TorchTitan's replicate wrapper all-reduces their gradients; with
-    ``tensor_parallel_degree`` > 1 each TP coordinate runs it over its own ``pp`` group."""
+    """The copies of the plan (:func:`piper_plugin.plan_copies`, a collective) from TorchTitan's
+    meshes: each ``data_parallel_replicate`` replica and each TP coordinate runs the plan over its
+    own ``pp`` group (TorchTitan's replicate wrapper all-reduces the replicas' gradients)."""
     def local(name: str, degree: int) -> int:
         return parallel_dims.get_mesh(name).get_local_rank() if degree > 1 else 0
 
-    mine = (local("dp_replicate", parallel_dims.dp_replicate), local("tp", parallel_dims.tp),
-            parallel_dims.get_mesh("pp").get_local_rank())
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    where = {coords: process for process, coords in enumerate(everyone)}
-    return [[where[(i, t, p)] for p in range(parallel_dims.pp)]
-            for i in range(parallel_dims.dp_replicate) for t in range(parallel_dims.tp)]
+    return copies_of_plan(local("dp_replicate", parallel_dims.dp_replicate), local("tp", parallel_dims.tp),
+                          parallel_dims.get_mesh("pp").get_local_rank())

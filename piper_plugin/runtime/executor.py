@@ -38,7 +38,8 @@ from piper_plugin.runtime.update_gate import FiniteLossGate, update_before_loss
 from piper_plugin.runtime.value_specs import ValueSpec
 from piper_plugin.scheduler.plan import Plan, PlanError
 
-__all__ = ["Executor", "ExecutorConfig", "HostOptimizer", "PlanMismatch", "check_plan_hash", "check_tensor_parallel_plan"]
+__all__ = ["Executor", "ExecutorConfig", "HostOptimizer", "PlanMismatch", "check_plan_hash", "check_tensor_parallel_plan",
+           "plan_copies"]
 
 
 class PlanMismatch(RuntimeError):
@@ -61,6 +62,20 @@ def check_plan_hash(plan, replicas: int = 1, tensor_parallel: int = 1) -> None:
         copies = (f" x {data} replicas" if data > 1 else "") + (f" x tp {tensor_parallel}" if tensor_parallel > 1 else "")
         raise PlanMismatch(f"the plan needs {plan.grid.world_size} ranks (pp x dp x ep){copies} but the job has "
                            f"{dist.get_world_size()}; set --nproc_per_node accordingly")
+
+
+def plan_copies(replica: int, tp_coordinate: int, pipeline_rank: int) -> list[list[int]]:
+    """Process ranks of every copy of a pipeline-only plan, from each process's (data replica,
+    TP coordinate, pipeline rank) in its host's meshes (a collective over the world): the copies
+    ordered (replica, TP coordinate), TP fastest, each listing its processes by pipeline rank.
+    What ``ExecutorConfig.replicas`` takes with ``tensor_parallel``."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (replica, tp_coordinate, pipeline_rank))
+    where = {coords: process for process, coords in enumerate(everyone)}
+    replicas, tp, pp = (max(c[i] for c in everyone) + 1 for i in range(3))
+    if len(where) != replicas * tp * pp:
+        raise ValueError(f"the processes' (replica, TP coordinate, pipeline rank) do not form a grid: {everyone}")
+    return [[where[(r, t, p)] for p in range(pp)] for r in range(replicas) for t in range(tp)]
 
 
 def check_tensor_parallel_plan(plan) -> None:
